@@ -1,0 +1,3 @@
+from relay.cli import entry
+
+entry()

@@ -1,0 +1,225 @@
+"""`outbox-relay run`: one trio nursery holding every task of the relay.
+
+Tasks: the signal watcher, the metrics/health server, the NATS connector, the
+LISTEN task, the fallback poll timer, the publisher loop, the table gauges and
+retention. Shutdown goes through trio: SIGTERM or SIGINT stops claiming, lets
+the batch in flight finish inside the publish timeout, then cancels the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import trio
+
+from relay import aio
+from relay.backoff import ReconnectBackoff
+from relay.broker import Broker
+from relay.config import Config, redact_url
+from relay.database import Database
+from relay.errors import ConfigError, DatabaseUnavailable, SetupError
+from relay.gauges import run_gauges
+from relay.health import Health
+from relay.httpserver import HttpServer, metrics_route
+from relay.listener import Listener
+from relay.metrics import Metrics
+from relay.publisher import Publisher
+from relay.retention import run_retention
+from relay.wakeup import Wakeup
+
+log = logging.getLogger(__name__)
+
+
+class Relay:
+    def __init__(self, config: Config, metrics: Metrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.health = Health()
+        self.wakeup = Wakeup()
+        self.stopping = trio.Event()
+        self.database = Database(config)
+        self.broker = Broker(config.nats_urls, self._broker_changed)
+        self.publisher = Publisher(
+            config=config,
+            database=self.database,
+            broker=self.broker,
+            metrics=self.metrics,
+            health=self.health,
+            wakeup=self.wakeup,
+        )
+        self._publisher_started = False
+        self._publisher_done = trio.Event()
+
+    def _broker_changed(self, connected: bool) -> None:
+        self.health.broker = connected
+        self.metrics.nats_connected.set(1 if connected else 0)
+        if connected:
+            self.wakeup.set("reconnect")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.health.stopping = True
+        self.wakeup.set("stop")
+
+    # -- health -----------------------------------------------------------------
+
+    def liveness(self) -> tuple[int, str, bytes]:
+        # Alive while the publisher loop keeps turning: it wakes at least every poll
+        # interval, and a batch never takes longer than the publish timeout.
+        limit = max(30.0, 3 * self.config.poll_interval, 3 * self.config.publish_timeout)
+        stalled = trio.current_time() - self.publisher.heartbeat
+        if stalled > limit:
+            return 503, "text/plain", f"publisher loop stalled for {stalled:.0f}s\n".encode()
+        return 200, "text/plain", b"ok\n"
+
+    def readiness(self) -> tuple[int, str, bytes]:
+        reason = self.health.not_ready_reason()
+        self.metrics.ready.set(0 if reason else 1)
+        if reason:
+            return 503, "text/plain", f"not ready: {reason}\n".encode()
+        return 200, "text/plain", b"ready\n"
+
+    # -- tasks ------------------------------------------------------------------
+
+    async def _watch_signals(self, cancel_scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("%s received: finishing the batch in flight", signal.Signals(signum).name)
+                self.stop()
+                break
+        if self._publisher_started:
+            # The publisher stops between batches; a batch ends within the publish
+            # timeout. The margin covers its mark and commit.
+            with trio.move_on_after(self.config.publish_timeout + 5.0):
+                await self._publisher_done.wait()
+        cancel_scope.cancel()
+
+    async def _connect_broker(self) -> None:
+        backoff = ReconnectBackoff(initial=0.2, cap=10.0)
+        while True:
+            try:
+                await self.broker.connect()
+            except Exception as exc:  # noqa: BLE001 - translated and retried
+                delay = backoff.next_delay()
+                log.warning("%s; retrying in %.1fs", exc, delay)
+                await trio.sleep(delay)
+            else:
+                return
+
+    async def _poll(self) -> None:
+        while True:
+            await trio.sleep(self.config.poll_interval)
+            self.wakeup.set("poll")
+
+    async def _await_setup(self) -> bool:
+        """Wait for the database, then check the table is installed. False means a
+        setup problem that needs an operator (the relay exits)."""
+        backoff = ReconnectBackoff(initial=0.2, cap=10.0)
+        while True:
+            try:
+                report = await self.database.check_setup()
+            except SetupError as exc:
+                self.health.setup_problem = str(exc)
+                return False
+            except DatabaseUnavailable as exc:
+                delay = backoff.next_delay()
+                self.health.database = False
+                log.warning("%s; retrying in %.1fs", exc, delay)
+                await trio.sleep(delay)
+                continue
+            self.health.database = True
+            if not report.trigger_present:
+                log.warning(
+                    "notify trigger is not installed on %s: relying on the %.3gs poll only "
+                    "(run `outbox-relay install` for instant wake-ups)",
+                    self.config.table_display,
+                    self.config.poll_interval,
+                )
+            return True
+
+    async def _run_publisher(self) -> None:
+        self._publisher_started = True
+        try:
+            await self.publisher.run(self.stopping)
+        finally:
+            self._publisher_done.set()
+
+    def _start_tasks(self, nursery: trio.Nursery) -> None:
+        config = self.config
+        listener = Listener(
+            conninfo=self.database.conninfo,
+            channel=config.channel,
+            keepalive=config.listen_keepalive,
+            wakeup=self.wakeup,
+            health=self.health,
+            metrics=self.metrics,
+        )
+        nursery.start_soon(self._connect_broker)
+        nursery.start_soon(listener.run)
+        nursery.start_soon(self._poll)
+        nursery.start_soon(run_gauges, config, self.database, self.metrics)
+        nursery.start_soon(run_retention, config, self.database, self.metrics)
+        nursery.start_soon(self._run_publisher)
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[int | None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run until stopped. Raises SetupError if the table is not installed."""
+        setup_ok = True
+        config = self.config
+        log.info(
+            "starting: table %s, database %s, NATS %s",
+            config.table_display,
+            redact_url(config.database_url),
+            ", ".join(redact_url(u) for u in config.nats_urls),
+        )
+        self.metrics.up.set(1)
+        async with aio.open_loop():
+            await self.database.open()
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+                    port: int | None = None
+                    if config.metrics_port:
+                        server = HttpServer(
+                            {
+                                "/metrics": metrics_route(self.metrics.registry),
+                                "/healthz": self.liveness,
+                                "/readyz": self.readiness,
+                            }
+                        )
+                        port = await nursery.start(
+                            server.serve, config.metrics_host, config.metrics_port
+                        )
+                    task_status.started(port)
+                    setup_ok = await self._await_setup()
+                    if setup_ok:
+                        self._start_tasks(nursery)
+                    else:
+                        nursery.cancel_scope.cancel()
+            finally:
+                self.metrics.up.set(0)
+                with trio.CancelScope(shield=True):
+                    await self.broker.close()
+                    await self.database.close()
+        if not setup_ok:
+            raise SetupError(self.health.setup_problem or "setup check failed")
+        log.info("stopped")
+
+
+def run(config: Config) -> int:
+    """Run the relay in this process; the exit code for the command line."""
+
+    async def main() -> None:
+        await Relay(config).run()
+
+    try:
+        trio.run(main)
+    except SetupError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0

@@ -1,0 +1,113 @@
+"""The command line: the only place that reads flags and the environment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import psycopg
+
+from relay import __version__, app, database, sqlfiles
+from relay.config import RUN_OPTIONS, Config, Option, build_config, default_value, redact_url
+from relay.errors import ConfigError
+from relay.logs import setup_logging
+
+log = logging.getLogger("relay")
+
+# The options each command takes; `run` takes them all.
+_SQL_OPTIONS = ("database_url", "table", "channel", "log_level", "log_format")
+
+
+def _options_for(command: str) -> tuple[Option, ...]:
+    if command in ("install", "uninstall"):
+        return tuple(o for o in RUN_OPTIONS if o.name in _SQL_OPTIONS)
+    return RUN_OPTIONS
+
+
+def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
+    for option in options:
+        parser.add_argument(
+            option.flag,
+            dest=option.name,
+            default=None,
+            metavar=option.name.split("_")[-1].upper(),
+            help=f"{option.help} [env {option.env}; default {option.show(default_value(option))}]",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox-relay",
+        description="Move committed outbox rows from Postgres to NATS JetStream.",
+    )
+    parser.add_argument("--version", action="version", version=f"outbox-relay {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="run the relay until SIGTERM or SIGINT")
+    _add_options(run, _options_for("run"))
+    install = commands.add_parser(
+        "install", help="create the table (if absent), the relay's columns and the trigger"
+    )
+    install.add_argument("--print", action="store_true", help="write the SQL to stdout instead")
+    _add_options(install, _options_for("install"))
+    uninstall = commands.add_parser(
+        "uninstall", help="remove the trigger, its function and the relay's indexes"
+    )
+    uninstall.add_argument("--print", action="store_true", help="write the SQL to stdout instead")
+    _add_options(uninstall, _options_for("uninstall"))
+    return parser
+
+
+def parse(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[argparse.Namespace, Config]:
+    args = build_parser().parse_args(argv)
+    options = _options_for(args.command)
+    config = build_config({o.name: getattr(args, o.name) for o in options}, environ, options)
+    return args, config
+
+
+def _sql_command(args: argparse.Namespace, config: Config) -> int:
+    names = sqlfiles.Names.for_config(config)
+    install = args.command == "install"
+    if args.print:
+        statements = (
+            sqlfiles.install_script(names) if install else [sqlfiles.uninstall_script(names)]
+        )
+        sys.stdout.write("\n".join(s.as_string() for s in statements) + "\n")
+        return 0
+    conninfo = database.connection_string(config.database_url)
+    try:
+        if install:
+            database.install(conninfo, names)
+        else:
+            database.uninstall(conninfo, names)
+    except psycopg.Error as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.error("%s failed on %s: %s", args.command, redact_url(config.database_url), message)
+        return 1
+    log.info(
+        "%s done on %s (table %s)",
+        args.command,
+        redact_url(config.database_url),
+        config.table_display,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    environ = os.environ if environ is None else environ
+    try:
+        args, config = parse(argv, environ)
+    except ConfigError as exc:
+        print(f"outbox-relay: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level, config.log_format)
+    if args.command in ("install", "uninstall"):
+        return _sql_command(args, config)
+    return app.run(config)
+
+
+def entry() -> None:
+    sys.exit(main())

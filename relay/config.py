@@ -1,0 +1,263 @@
+"""Configuration: one frozen value, parsed and validated once at the edge.
+
+Every option is a command-line flag and an ``OUTBOX_RELAY_*`` environment
+variable; a flag wins over the variable, which wins over the default. Nothing
+below the command line reads the environment.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from relay import failpoints
+from relay.errors import ConfigError
+
+ENV_PREFIX = "OUTBOX_RELAY_"
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``"250ms"``, ``"1.5"``, ``"30s"``, ``"5m"``, ``"2h"`` or ``"7d"``."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 250ms, 30s, 5m, 2h, 7d)")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def parse_table_name(text: str) -> tuple[str, ...]:
+    """``"outbox_events"`` or ``"schema.outbox_events"`` as identifier parts."""
+    parts = tuple(text.split("."))
+    if len(parts) > 2 or not all(_IDENTIFIER.match(part) for part in parts):
+        raise ValueError(f"not a table name: {text!r} (use name or schema.name)")
+    return parts
+
+
+def parse_channel(text: str) -> str:
+    if not _IDENTIFIER.match(text):
+        raise ValueError(f"not a channel name: {text!r} (letters, digits and _, at most 63)")
+    return text
+
+
+def parse_postgres_url(text: str) -> str:
+    parsed = urllib.parse.urlsplit(text)
+    if parsed.scheme not in ("postgres", "postgresql"):
+        raise ValueError("must be a postgresql:// URL")
+    return text
+
+
+def parse_nats_urls(text: str) -> tuple[str, ...]:
+    urls = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not urls:
+        raise ValueError("needs at least one nats:// URL")
+    for url in urls:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("nats", "tls") or not parsed.hostname:
+            raise ValueError(f"not a nats:// URL: {redact_url(url)}")
+        try:
+            _ = parsed.port
+        except ValueError:
+            raise ValueError(f"bad port in {redact_url(url)}") from None
+    return urls
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced, safe for logs and error messages."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parsed.password is None:
+        return url
+    netloc = parsed.netloc.rsplit("@", 1)[1]
+    user = parsed.username or ""
+    return urllib.parse.urlunsplit(parsed._replace(netloc=f"{user}:***@{netloc}"))
+
+
+@dataclass(frozen=True)
+class Config:
+    database_url: str = "postgresql://localhost:5432/postgres"
+    nats_urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    table: tuple[str, ...] = ("outbox_events",)
+    channel: str = "outbox_events"
+    batch_size: int = 500
+    poll_interval: float = 1.0
+    publish_timeout: float = 5.0
+    max_attempts: int = 20
+    backoff_base: float = 1.0
+    backoff_max: float = 300.0
+    retention: float = 7 * 86400.0
+    retention_interval: float = 60.0
+    retention_batch_size: int = 1000
+    listen_keepalive: float = 10.0
+    gauge_interval: float = 5.0
+    metrics_host: str = "0.0.0.0"  # a service's metrics port must be reachable from the scraper
+    metrics_port: int = 9477
+    log_level: str = "info"
+    log_format: str = "text"
+    failpoints: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def table_name(self) -> str:
+        """The bare table name, which prefixes the relay's own objects."""
+        return self.table[-1]
+
+    @property
+    def table_display(self) -> str:
+        return ".".join(self.table)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"must be a positive whole number, not {text!r}") from None
+    if value <= 0:
+        raise ValueError("must be a positive whole number")
+    return value
+
+
+def _positive_duration(text: str) -> float:
+    value = parse_duration(text)
+    if value <= 0:
+        raise ValueError("must be longer than zero")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a port number from 0 to 65535")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _failpoints(text: str) -> frozenset[str]:
+    names = frozenset(part.strip() for part in text.split(",") if part.strip())
+    unknown = names - failpoints.KNOWN
+    if unknown:
+        raise ValueError(f"unknown failpoints: {', '.join(sorted(unknown))}")
+    return names
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its flag, its variable, how to parse it and what it means."""
+
+    name: str
+    parse: Callable[[str], Any]
+    help: str
+    show: Callable[[Any], str] = str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _show_duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds * 1000:g}ms"
+
+
+RUN_OPTIONS: tuple[Option, ...] = (
+    Option("database_url", parse_postgres_url, "Postgres URL (libpq URI)", redact_url),
+    Option("nats_url", parse_nats_urls, "NATS server URLs, comma-separated", ",".join),
+    Option("table", parse_table_name, "outbox table, optionally schema-qualified", ".".join),
+    Option("channel", parse_channel, "LISTEN/NOTIFY channel the insert trigger notifies"),
+    Option("batch_size", _positive_int, "rows claimed per pass"),
+    Option(
+        "poll_interval",
+        _positive_duration,
+        "fallback poll when no notification comes",
+        _show_duration,
+    ),
+    Option(
+        "publish_timeout",
+        _positive_duration,
+        "longest a batch may wait for broker acks (bounds how long row locks are held)",
+        _show_duration,
+    ),
+    Option("max_attempts", _positive_int, "failed publishes before a row is left alone (dead)"),
+    Option(
+        "backoff_base", _positive_duration, "first retry delay; doubles per attempt", _show_duration
+    ),
+    Option("backoff_max", _positive_duration, "longest retry delay", _show_duration),
+    Option("retention", _positive_duration, "how long published rows are kept", _show_duration),
+    Option("retention_interval", _positive_duration, "how often retention runs", _show_duration),
+    Option("retention_batch_size", _positive_int, "rows deleted per retention statement"),
+    Option(
+        "listen_keepalive",
+        _positive_duration,
+        "quiet time after which the LISTEN connection is probed",
+        _show_duration,
+    ),
+    Option(
+        "gauge_interval", _positive_duration, "how often table-wide gauges are read", _show_duration
+    ),
+    Option("metrics_host", str, "address the metrics and health server binds"),
+    Option("metrics_port", _port, "port of /metrics, /healthz and /readyz (0 disables)"),
+    Option("log_level", _choice("debug", "info", "warning", "error"), "log level"),
+    Option("log_format", _choice("text", "json"), "log line format"),
+    Option(
+        "failpoints",
+        _failpoints,
+        "test-only: comma-separated failpoints to enable",
+        lambda v: ",".join(sorted(v)),
+    ),
+)
+
+_FIELD_FOR_OPTION = {"nats_url": "nats_urls"}
+
+
+def default_value(option: Option) -> Any:
+    return getattr(Config(), _FIELD_FOR_OPTION.get(option.name, option.name))
+
+
+def build_config(
+    flags: Mapping[str, str | None], environ: Mapping[str, str], options: tuple[Option, ...]
+) -> Config:
+    """Merge flags, environment and defaults into a validated :class:`Config`.
+
+    ``flags`` maps option names to the raw text given on the command line, or
+    ``None`` where the flag was not given.
+    """
+    values: dict[str, Any] = {}
+    for option in options:
+        raw = flags.get(option.name)
+        source = option.flag
+        if raw is None:
+            raw = environ.get(option.env)
+            source = option.env
+        if raw is None:
+            continue
+        try:
+            values[_FIELD_FOR_OPTION.get(option.name, option.name)] = option.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(source, str(exc)) from None
+    config = Config(**values)
+    if config.backoff_max < config.backoff_base:
+        raise ConfigError("--backoff-max", "must not be shorter than --backoff-base")
+    return config

@@ -1,0 +1,288 @@
+"""The only door to Postgres: claim, gate, mark, retention, install, status.
+
+psycopg errors are translated here, once, into the relay's error tree.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import psycopg.errors
+import trio
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from relay import aio
+from relay.config import Config
+from relay.errors import DatabaseUnavailable, SetupError
+from relay.marks import Marks
+from relay.model import OutboxRow
+from relay.ordering import OrderKey
+from relay.sqlfiles import Names, install_script, query, uninstall_script
+
+log = logging.getLogger(__name__)
+
+# Connection settings the relay wants unless the URL says otherwise. TCP keepalives
+# and tcp_user_timeout turn a silently dead network path into an error within
+# seconds instead of a hang of minutes.
+_CONNECTION_DEFAULTS = {
+    "application_name": "outbox-relay",
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "5",
+    "keepalives_interval": "2",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "10000",
+}
+
+_SETUP_ERRORS = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.InsufficientPrivilege,
+)
+
+
+def connection_string(url: str) -> str:
+    try:
+        params = conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise SetupError(f"database URL cannot be parsed: {exc}") from None
+    for key, value in _CONNECTION_DEFAULTS.items():
+        params.setdefault(key, value)
+    return make_conninfo(**{k: str(v) for k, v in params.items()})
+
+
+def translate(exc: BaseException, doing: str) -> Exception:
+    """The relay's error for a psycopg (or pool) exception raised while ``doing``."""
+    if isinstance(exc, _SETUP_ERRORS):
+        return SetupError(f"{doing}: {exc.__class__.__name__}: {str(exc).strip()}")
+    if isinstance(exc, PoolTimeout):
+        return DatabaseUnavailable(f"{doing}: no database connection available ({exc})")
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return DatabaseUnavailable(f"{doing}: {exc.__class__.__name__}: {first_line}")
+
+
+@asynccontextmanager
+async def translated(doing: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except (psycopg.Error, PoolTimeout) as exc:
+        raise translate(exc, doing) from exc
+
+
+@dataclass(frozen=True)
+class SetupReport:
+    trigger_present: bool
+
+
+@dataclass(frozen=True)
+class Backlog:
+    unpublished: int
+    dead: int
+    oldest_age_seconds: float
+
+
+class Transaction:
+    """One claim-publish-mark transaction on one connection."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], names: Names) -> None:
+        self._conn = conn
+        self._names = names
+
+    async def _fetch(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        async with translated(name):
+            cursor = await aio.call(self._conn.execute, query(self._names, name), params)
+            return await aio.call(cursor.fetchall)
+
+    async def _execute(self, name: str, params: dict[str, Any]) -> int:
+        async with translated(name):
+            cursor = await aio.call(self._conn.execute, query(self._names, name), params)
+            return cursor.rowcount
+
+    async def claim(self, batch_size: int, max_attempts: int) -> list[OutboxRow]:
+        rows = await self._fetch("claim", {"batch_size": batch_size, "max_attempts": max_attempts})
+        return [OutboxRow(*row) for row in rows]
+
+    async def blockers(self, rows: Sequence[OutboxRow], max_attempts: int) -> dict[str, OrderKey]:
+        if not rows:
+            return {}
+        found = await self._fetch(
+            "blockers",
+            {
+                "max_attempts": max_attempts,
+                "last_created_at": max(row.created_at for row in rows),
+                "subjects": sorted({row.subject for row in rows}),
+                "ids": [row.id for row in rows],
+            },
+        )
+        return {subject: (created_at, row_id) for subject, created_at, row_id in found}
+
+    async def mark(self, marks: Marks) -> None:
+        # One statement for every acked row, one for every failed row.
+        if marks.published:
+            await self._execute("mark_published", {"ids": marks.published})
+        if marks.failed:
+            await self._execute(
+                "mark_failed",
+                {
+                    "ids": [m.id for m in marks.failed],
+                    "attempts": [m.attempts for m in marks.failed],
+                    "delays": [m.retry_delay for m in marks.failed],
+                    "errors": [m.error for m in marks.failed],
+                },
+            )
+
+    async def commit(self) -> None:
+        async with translated("commit"):
+            await aio.call(self._conn.commit)
+
+
+class Database:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.names = Names.for_config(config)
+        self._conninfo = connection_string(config.database_url)
+        # A row lock must never outlive its batch: a relay frozen mid-batch (SIGSTOP,
+        # a stalled VM) is cut off by the server and its rows are released for the
+        # other replicas. The batch itself is bounded by publish_timeout.
+        idle_ms = int((config.publish_timeout + 10.0) * 1000)
+        self._session_settings = {
+            "idle_in_transaction_session_timeout": str(idle_ms),
+            "statement_timeout": "30000",
+            "lock_timeout": "5000",
+        }
+        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+
+    @property
+    def conninfo(self) -> str:
+        return self._conninfo
+
+    async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        for name, value in self._session_settings.items():
+            await conn.execute("select set_config(%s, %s, false)", (name, value))
+        await conn.commit()
+
+    async def open(self) -> None:
+        """Start the pool without waiting: an unreachable database at start is an
+        outage to ride out, not a reason to exit."""
+        self._pool = AsyncConnectionPool(
+            self._conninfo,
+            min_size=1,
+            max_size=4,
+            open=False,
+            configure=self._configure,
+            check=AsyncConnectionPool.check_connection,
+            timeout=5.0,
+            # Keep trying for as long as the relay runs; the pool backs off by itself.
+            reconnect_timeout=86400.0,
+            name="outbox-relay",
+        )
+        await aio.call(self._pool.open, wait=False)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            with trio.move_on_after(5):
+                await aio.call(self._pool.close)
+            self._pool = None
+
+    def _require_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+        if self._pool is None:
+            raise RuntimeError("Database.open() was not called")
+        return self._pool
+
+    @asynccontextmanager
+    async def connection(self, doing: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        pool = self._require_pool()
+        async with translated(doing):
+            conn = await aio.call(pool.getconn)
+        try:
+            yield conn
+        finally:
+            # Shielded: the connection goes back (rolled back if need be) even when the
+            # task was cancelled mid-statement; the pool discards a broken one.
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                        await aio.call(conn.rollback)
+                except psycopg.Error:
+                    pass
+                await aio.call(pool.putconn, conn)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Transaction]:
+        """A batch transaction. Leaving without ``commit`` rolls it back."""
+        async with self.connection("begin batch") as conn:
+            yield Transaction(conn, self.names)
+
+    async def check_setup(self) -> SetupReport:
+        """Fail clearly if the table or the relay's columns are missing."""
+        table_text = sql.Identifier(*self.config.table).as_string()
+        async with self.connection("check setup") as conn, translated("check setup"):
+            cursor = await aio.call(conn.execute, "select to_regclass(%s)", (table_text,))
+            found = await aio.call(cursor.fetchone)
+            if found is None or found[0] is None:
+                raise SetupError(
+                    f"--table: table {self.config.table_display} does not exist "
+                    "(run `outbox-relay install`, or check the name)"
+                )
+            cursor = await aio.call(
+                conn.execute, query(self.names, "relay_columns"), {"table": table_text}
+            )
+            columns = await aio.call(cursor.fetchone)
+            if columns is None or columns[0] != 2:
+                raise SetupError(
+                    f"--table: table {self.config.table_display} lacks the relay's columns "
+                    "(relay_retry_at, relay_last_error): run `outbox-relay install`"
+                )
+            cursor = await aio.call(
+                conn.execute,
+                query(self.names, "notify_trigger_present"),
+                {"table": table_text, "trigger": self.names.trigger_name},
+            )
+            trigger = await aio.call(cursor.fetchone)
+            await aio.call(conn.commit)
+        return SetupReport(trigger_present=bool(trigger and trigger[0]))
+
+    async def backlog(self, max_attempts: int) -> Backlog:
+        async with self.connection("gauges") as conn, translated("gauges"):
+            cursor = await aio.call(
+                conn.execute, query(self.names, "backlog"), {"max_attempts": max_attempts}
+            )
+            row = await aio.call(cursor.fetchone)
+            await aio.call(conn.commit)
+        assert row is not None  # an aggregate always returns one row
+        return Backlog(unpublished=row[0], dead=row[1], oldest_age_seconds=row[2])
+
+    async def delete_spent(self, retention: float, batch_size: int) -> int:
+        async with self.connection("retention") as conn, translated("retention"):
+            cursor = await aio.call(
+                conn.execute,
+                query(self.names, "delete_spent"),
+                {"retention": retention, "batch_size": batch_size},
+            )
+            deleted = cursor.rowcount
+            await aio.call(conn.commit)
+        return deleted
+
+
+def install(conninfo: str, names: Names) -> None:
+    """Apply every file in sql/install in one transaction (idempotent)."""
+    with psycopg.connect(conninfo) as conn, conn.transaction():
+        # Two installs at once (a Job retried beside a replica's) must not race on
+        # "create ... if not exists"; the lock ends with the transaction.
+        conn.execute("select pg_advisory_xact_lock(hashtext('outbox-relay install'))")
+        for statement in install_script(names):
+            conn.execute(statement)
+
+
+def uninstall(conninfo: str, names: Names) -> None:
+    with psycopg.connect(conninfo) as conn, conn.transaction():
+        conn.execute(uninstall_script(names))

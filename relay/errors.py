@@ -1,0 +1,37 @@
+"""One error tree for the relay.
+
+Each leaf tells the caller what to do about it: fix the configuration and
+restart, retry later, or give up on one row. Library exceptions are
+translated into these once, at the adapter edge, with the original kept as
+``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Root of every error the relay raises on purpose."""
+
+
+class ConfigError(RelayError):
+    """A setting is wrong. Fix it and start again; retrying cannot help."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+class SetupError(RelayError):
+    """The database is reachable but not prepared (no table, relay SQL missing)."""
+
+
+class TransientError(RelayError):
+    """A server is unreachable or misbehaving. Retry later, with backoff."""
+
+
+class DatabaseUnavailable(TransientError):
+    """Postgres could not be reached, or the connection broke mid-work."""
+
+
+class BrokerUnavailable(TransientError):
+    """NATS could not be reached, or the connection broke mid-work."""

@@ -1,0 +1,55 @@
+"""Log lines: readable text by default, one JSON object per line with --log-format json.
+
+Structured fields (row id, event_type, reason) go in ``extra=``; secrets never do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        line.update(_fields(record))
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        fields = _fields(record)
+        if fields:
+            text += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        return text
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # The pool logs every failed reconnect as a warning; the relay reports outages
+    # itself, once per state change.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)

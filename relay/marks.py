@@ -1,0 +1,53 @@
+"""What to write back for a batch, decided from what the broker said."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from uuid import UUID
+
+from relay.backoff import row_retry_delay
+from relay.model import Acked, Failed, OutboxRow, PublishResult
+
+
+@dataclass(frozen=True, slots=True)
+class FailureMark:
+    id: UUID
+    attempts: int
+    retry_delay: float | None  # None: the row is at the cap and is left alone
+    error: str
+
+
+@dataclass
+class Marks:
+    published: list[UUID] = field(default_factory=list)
+    failed: list[FailureMark] = field(default_factory=list)
+    newly_dead: list[tuple[OutboxRow, Failed]] = field(default_factory=list)
+
+
+def decide_marks(
+    rows: Mapping[UUID, OutboxRow],
+    results: Mapping[UUID, PublishResult],
+    *,
+    max_attempts: int,
+    backoff_base: float,
+    backoff_max: float,
+) -> Marks:
+    """Acked rows are published; a failed row gets one more attempt and a retry delay,
+    or goes straight to the cap when the failure is permanent or this was its last
+    attempt. Rows without a result were never sent and are left as they are."""
+    marks = Marks()
+    for row_id, result in results.items():
+        if isinstance(result, Acked):
+            marks.published.append(row_id)
+            continue
+        row = rows[row_id]
+        attempts = max_attempts if result.reason.permanent else min(row.attempts + 1, max_attempts)
+        error = f"{result.reason.value}: {result.detail}"[:1000]
+        if attempts >= max_attempts:
+            marks.failed.append(FailureMark(row_id, attempts, None, error))
+            marks.newly_dead.append((row, result))
+        else:
+            delay = row_retry_delay(attempts, backoff_base, backoff_max)
+            marks.failed.append(FailureMark(row_id, attempts, delay, error))
+    return marks

@@ -1,0 +1,125 @@
+"""Prometheus metrics. One registry per relay, so tests can run several in a process."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+)
+
+from relay import __version__
+
+# The *_created series double every counter's lines and no dashboard reads them.
+disable_created_metrics()
+
+# Buckets that resolve single milliseconds near the bottom and minutes at the top.
+LATENCY_BUCKETS = (
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    1800.0,
+)
+BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 200, 300, 400, 500, 1000, 2000)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.published = Counter(
+            "outbox_relay_published",
+            "Rows published and acknowledged by JetStream",
+            ["event_type"],
+            registry=r,
+        )
+        self.duplicates = Counter(
+            "outbox_relay_duplicate_acks",
+            "Acks with duplicate=true: the stream already had the message",
+            registry=r,
+        )
+        self.publish_failures = Counter(
+            "outbox_relay_publish_failures",
+            "Failed publishes, by reason",
+            ["event_type", "reason"],
+            registry=r,
+        )
+        self.dead_marked = Counter(
+            "outbox_relay_dead_marked",
+            "Rows this relay moved to the attempt cap",
+            ["event_type", "reason"],
+            registry=r,
+        )
+        self.held = Counter(
+            "outbox_relay_held_rows",
+            "Claimed rows left for later because an earlier row of their subject was not "
+            "yet published",
+            registry=r,
+        )
+        self.unpublished = Gauge(
+            "outbox_relay_unpublished_rows", "Rows not yet published (table-wide)", registry=r
+        )
+        self.oldest_age = Gauge(
+            "outbox_relay_oldest_unpublished_age_seconds",
+            "Age of the oldest unpublished row that is not dead (table-wide)",
+            registry=r,
+        )
+        self.dead_rows = Gauge(
+            "outbox_relay_dead_rows", "Unpublished rows at the attempt cap (table-wide)", registry=r
+        )
+        self.publish_latency = Histogram(
+            "outbox_relay_publish_latency_seconds",
+            "From the row's created_at to the broker's ack",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "outbox_relay_batch_size", "Rows claimed per pass", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.wakeups = Counter(
+            "outbox_relay_wakeups",
+            "Claim passes started, by what woke the relay",
+            ["reason"],
+            registry=r,
+        )
+        self.retention_deleted = Counter(
+            "outbox_relay_retention_deleted", "Spent rows deleted by retention", registry=r
+        )
+        self.database_errors = Counter(
+            "outbox_relay_database_errors",
+            "Database operations that failed, by task",
+            ["task"],
+            registry=r,
+        )
+        self.listen_connected = Gauge(
+            "outbox_relay_listen_connected", "1 while the LISTEN connection is up", registry=r
+        )
+        self.nats_connected = Gauge(
+            "outbox_relay_nats_connected", "1 while connected to NATS", registry=r
+        )
+        self.up = Gauge("outbox_relay_up", "1 while the relay runs", registry=r)
+        self.ready = Gauge("outbox_relay_ready", "1 while /readyz answers 200", registry=r)
+        self.build = Info("outbox_relay_build", "Build information", registry=r)
+        self.build.info({"version": __version__})
+        for reason in ("notify", "poll", "reconnect"):
+            self.wakeups.labels(reason=reason)

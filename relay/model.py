@@ -1,0 +1,68 @@
+"""The values that flow through the relay: a claimed row and what became of it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+from uuid import UUID
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """One claimed ``outbox_events`` row. ``data`` is the jsonb payload as JSON text."""
+
+    id: UUID
+    event_type: str
+    source: str
+    subject: str
+    time: datetime
+    data: str
+    created_at: datetime
+    attempts: int
+
+    @property
+    def order_key(self) -> tuple[datetime, UUID]:
+        """Rows are published in this order. ``id`` breaks ``created_at`` ties, which
+        every row inserted by one transaction shares (``now()`` is the transaction's
+        start), so the order is total and the same in SQL and in Python: Postgres
+        compares uuids bytewise, as Python compares ``UUID.int``."""
+        return (self.created_at, self.id)
+
+
+class FailureReason(enum.StrEnum):
+    """Why a publish failed; also the ``reason`` label of the failure metric."""
+
+    TIMEOUT = "timeout"
+    NO_STREAM = "no_stream"
+    TOO_LARGE = "too_large"
+    INVALID_SUBJECT = "invalid_subject"
+    DISCONNECTED = "disconnected"
+    OTHER = "other"
+
+    @property
+    def permanent(self) -> bool:
+        """A permanent failure cannot succeed on retry: the row goes to the cap at once
+        instead of burning attempts and holding up its subject."""
+        return self in _PERMANENT
+
+
+_PERMANENT = frozenset(
+    {FailureReason.NO_STREAM, FailureReason.TOO_LARGE, FailureReason.INVALID_SUBJECT}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """The broker stored the message (``duplicate`` if it already had it)."""
+
+    duplicate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    reason: FailureReason
+    detail: str
+
+
+PublishResult = Acked | Failed

@@ -1,0 +1,60 @@
+"""Per-subject order: which claimed rows may go, and in which waves.
+
+Two rows with the same ``subject`` are published in ``order_key`` order. Rows
+of different subjects are unordered, so they are sent pipelined together; the
+rows of one subject go one per wave, and a wave is sent only after the
+previous wave's acks are in, so a later row of a subject never reaches the
+broker before an earlier one has been acknowledged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from uuid import UUID
+
+from relay.model import OutboxRow
+
+OrderKey = tuple[datetime, UUID]
+
+
+def held_behind_blockers(rows: Iterable[OutboxRow], blockers: Mapping[str, OrderKey]) -> set[UUID]:
+    """Ids of claimed rows that must wait because an earlier unpublished row of their
+    subject is not in this batch (another relay holds it, or it committed late).
+
+    ``blockers`` maps a subject to the order key of its earliest such row."""
+    held: set[UUID] = set()
+    for row in rows:
+        first_outside = blockers.get(row.subject)
+        if first_outside is not None and row.order_key > first_outside:
+            held.add(row.id)
+    return held
+
+
+class SubjectQueues:
+    """The publishable rows of a batch, queued per subject in order.
+
+    ``next_wave`` takes the head of every live queue; ``stop`` ends a subject for
+    this batch after its head failed, leaving its later rows untouched."""
+
+    def __init__(self, rows: Sequence[OutboxRow]) -> None:
+        self._queues: OrderedDict[str, deque[OutboxRow]] = OrderedDict()
+        for row in sorted(rows, key=lambda r: r.order_key):
+            self._queues.setdefault(row.subject, deque()).append(row)
+
+    def next_wave(self) -> list[OutboxRow]:
+        wave = [queue.popleft() for queue in self._queues.values()]
+        for subject in [s for s, queue in self._queues.items() if not queue]:
+            del self._queues[subject]
+        return wave
+
+    def stop(self, subject: str) -> list[OutboxRow]:
+        """Drop ``subject``'s remaining rows from this batch and return them."""
+        return list(self._queues.pop(subject, ()))
+
+    def remaining(self) -> list[OutboxRow]:
+        return [row for queue in self._queues.values() for row in queue]
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)

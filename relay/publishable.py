@@ -1,0 +1,47 @@
+"""Whether a row can ever be published: subject grammar and message size.
+
+A row that fails these checks is rejected before it reaches the broker, so it
+never burns retries or holds up the rows behind it.
+"""
+
+from __future__ import annotations
+
+from relay.model import FailureReason
+
+_WHITESPACE = frozenset(" \t\r\n\f\v")
+
+
+def subject_problem(subject: str) -> str | None:
+    """Why ``subject`` is not a valid NATS publish subject, or None if it is."""
+    if not subject:
+        return "subject is empty"
+    if any(ch in _WHITESPACE or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in subject):
+        return "subject contains whitespace or a control character"
+    tokens = subject.split(".")
+    if any(token == "" for token in tokens):
+        return "subject has an empty token (leading, trailing or doubled '.')"
+    if any(token in ("*", ">") for token in tokens):
+        return "subject contains a wildcard token ('*' or '>'), which cannot be published to"
+    if subject.startswith("$"):
+        # $JS, $SYS, $KV ... are the server's own API: an event must never land there.
+        return "subject starts with '$', which is reserved for the NATS system and APIs"
+    return None
+
+
+def size_problem(message_bytes: int, max_payload: int) -> str | None:
+    if message_bytes > max_payload:
+        return f"message is {message_bytes} bytes, over the server's max_payload {max_payload}"
+    return None
+
+
+def rejection(
+    subject: str, message_bytes: int, max_payload: int
+) -> tuple[FailureReason, str] | None:
+    """The permanent failure for a message, or None if it may be published."""
+    problem = subject_problem(subject)
+    if problem is not None:
+        return FailureReason.INVALID_SUBJECT, f"{problem}: {subject!r}"
+    problem = size_problem(message_bytes, max_payload)
+    if problem is not None:
+        return FailureReason.TOO_LARGE, problem
+    return None

@@ -1,0 +1,218 @@
+"""The publisher loop: claim a batch, publish it in order, mark it, commit.
+
+This is where the table and the broker could disagree, so the crash windows
+are marked where they are.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from uuid import UUID
+
+import trio
+
+from relay import failpoints
+from relay.backoff import ReconnectBackoff
+from relay.broker import Broker
+from relay.config import Config
+from relay.database import Database
+from relay.envelope import Message, build_message
+from relay.errors import DatabaseUnavailable, RelayError
+from relay.failpoints import Failpoints
+from relay.health import Health
+from relay.marks import Marks, decide_marks
+from relay.metrics import Metrics
+from relay.model import Acked, Failed, OutboxRow, PublishResult
+from relay.ordering import SubjectQueues, held_behind_blockers
+from relay.publishable import rejection
+from relay.wakeup import Wakeup
+
+log = logging.getLogger(__name__)
+
+# When every claimed row had to wait for another relay's batch, try again after this
+# long rather than at once: the other batch is done within publish_timeout, and
+# re-claiming in a tight loop would only burn both databases' CPU.
+CONTENTION_PAUSE = 0.05
+
+
+@dataclass(frozen=True)
+class PassResult:
+    claimed: int
+    settled: int  # rows acked or marked failed
+    held: int
+
+    def more_work_likely(self, batch_size: int) -> bool:
+        return self.claimed == batch_size and self.settled > 0
+
+
+class Publisher:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        database: Database,
+        broker: Broker,
+        metrics: Metrics,
+        health: Health,
+        wakeup: Wakeup,
+    ) -> None:
+        self._config = config
+        self._db = database
+        self._broker = broker
+        self._metrics = metrics
+        self._health = health
+        self._wakeup = wakeup
+        self._failpoints = Failpoints(config.failpoints)
+        self.heartbeat = 0.0
+
+    async def run(self, stopping: trio.Event) -> None:
+        """Wait for a wake-up, drain, repeat, until ``stopping`` is set. A stop
+        request interrupts the wait, never a batch in flight."""
+        while not stopping.is_set():
+            self.heartbeat = trio.current_time()
+            reasons = await self._wakeup.wait()
+            for reason in reasons & {"notify", "poll", "reconnect"}:
+                self._metrics.wakeups.labels(reason=reason).inc()
+            await self.drain(stopping)
+
+    async def drain(self, stopping: trio.Event) -> None:
+        """Claim passes until the backlog is empty, riding out database errors."""
+        backoff = ReconnectBackoff(initial=0.2, cap=10.0)
+        while not stopping.is_set():
+            self.heartbeat = trio.current_time()
+            if not self._broker.connected:
+                # Nothing to publish to: leave the rows alone rather than burn their
+                # attempts. The reconnect callback wakes the loop again.
+                return
+            try:
+                result = await self.run_pass()
+            except RelayError as exc:
+                self._metrics.database_errors.labels(task="publisher").inc()
+                if isinstance(exc, DatabaseUnavailable):
+                    self._health.database = False
+                delay = backoff.next_delay()
+                log.warning("batch failed, retrying in %.1fs: %s", delay, exc)
+                with trio.move_on_after(delay):
+                    await stopping.wait()
+                continue
+            self._health.database = True
+            backoff.reset()
+            if result.more_work_likely(self._config.batch_size):
+                continue
+            if result.held and not result.settled:
+                with trio.move_on_after(CONTENTION_PAUSE):
+                    await stopping.wait()
+                continue
+            return
+
+    async def run_pass(self) -> PassResult:
+        config = self._config
+        async with self._db.transaction() as tx:
+            rows = await tx.claim(config.batch_size, config.max_attempts)
+            if not rows:
+                await tx.commit()
+                return PassResult(0, 0, 0)
+            self._metrics.batch_size.observe(len(rows))
+            held = held_behind_blockers(rows, await tx.blockers(rows, config.max_attempts))
+            if held:
+                self._metrics.held.inc(len(held))
+            results = await self._publish([row for row in rows if row.id not in held])
+            # Crash window: the broker has acked some messages and the table does not
+            # say so yet. A crash here rolls the claim back; the rows are claimed again
+            # and republished with the same Nats-Msg-Id, which the stream drops inside
+            # its duplicate window and consumers dedupe on after it.
+            self._failpoints.hit(failpoints.CRASH_AFTER_PUBLISH)
+            marks = decide_marks(
+                {row.id: row for row in rows},
+                results,
+                max_attempts=config.max_attempts,
+                backoff_base=config.backoff_base,
+                backoff_max=config.backoff_max,
+            )
+            await tx.mark(marks)
+            # Crash window: marked but not committed. Same as above: the marks roll
+            # back with the claim and the rows are republished, never lost.
+            self._failpoints.hit(failpoints.CRASH_AFTER_MARK)
+            await tx.commit()
+        self._record(rows, results, marks)
+        return PassResult(len(rows), len(results), len(held))
+
+    async def _publish(self, rows: list[OutboxRow]) -> dict[UUID, PublishResult]:
+        """Publish ``rows`` in per-subject order within the publish timeout. Rows
+        without a result were not sent and stay exactly as they were."""
+        results: dict[UUID, PublishResult] = {}
+        messages: dict[UUID, Message] = {}
+        max_payload = self._broker.max_payload
+        sendable: list[OutboxRow] = []
+        for row in rows:
+            message = build_message(row)
+            rejected = rejection(row.event_type, message.wire_size, max_payload)
+            if rejected is not None:
+                results[row.id] = Failed(*rejected)
+            else:
+                messages[row.id] = message
+                sendable.append(row)
+        self._failpoints.hit(failpoints.CRASH_BEFORE_PUBLISH)
+        queues = SubjectQueues(sendable)
+        # The deadline bounds how long this transaction holds its row locks.
+        deadline = trio.current_time() + self._config.publish_timeout
+        while queues:
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                break
+            wave = queues.next_wave()
+            acks = await self._broker.publish_wave([messages[r.id] for r in wave], remaining)
+            for row, result in zip(wave, acks, strict=True):
+                results[row.id] = result
+                if isinstance(result, Failed) and not result.reason.permanent:
+                    # Later rows of this subject must not overtake it: they stay
+                    # unsent, and the claim query skips them while it backs off.
+                    queues.stop(row.subject)
+        return results
+
+    def _record(
+        self, rows: list[OutboxRow], results: dict[UUID, PublishResult], marks: Marks
+    ) -> None:
+        """Metrics and logs for a committed batch: only what the table now says."""
+        by_id = {row.id: row for row in rows}
+        dead = {row.id for row, _ in marks.newly_dead}
+        now = datetime.now(UTC)
+        for row_id, result in results.items():
+            row = by_id[row_id]
+            if isinstance(result, Acked):
+                self._metrics.published.labels(event_type=row.event_type).inc()
+                if result.duplicate:
+                    self._metrics.duplicates.inc()
+                latency = (now - row.created_at).total_seconds()
+                self._metrics.publish_latency.observe(max(latency, 0.0))
+            else:
+                self._metrics.publish_failures.labels(
+                    event_type=row.event_type, reason=result.reason.value
+                ).inc()
+                if row_id in dead:
+                    continue  # logged once, below, as a dead row
+                log.warning(
+                    "publish failed: %s",
+                    result.detail,
+                    extra={
+                        "row_id": str(row.id),
+                        "event_type": row.event_type,
+                        "reason": result.reason.value,
+                        "attempts": row.attempts + 1,
+                    },
+                )
+        for row, failure in marks.newly_dead:
+            self._metrics.dead_marked.labels(
+                event_type=row.event_type, reason=failure.reason.value
+            ).inc()
+            log.error(
+                "row is at the attempt cap and is left alone until requeued: %s",
+                failure.detail,
+                extra={
+                    "row_id": str(row.id),
+                    "event_type": row.event_type,
+                    "reason": failure.reason.value,
+                },
+            )

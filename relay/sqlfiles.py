@@ -1,0 +1,116 @@
+"""SQL is data: every statement lives under ``sql/`` and is loaded from there once.
+
+Identifiers that come from configuration (the table, the channel) are composed
+with :mod:`psycopg.sql`, never with string formatting.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+from dataclasses import dataclass
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+from psycopg import sql
+
+from relay.config import Config
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def _sql_root() -> Traversable:
+    # A checkout (or editable install) reads the top-level sql/ directly; a wheel
+    # carries the same files as relay/sql (see pyproject.toml).
+    checkout = Path(__file__).resolve().parent.parent / "sql"
+    if (checkout / "queries.sql").is_file():
+        return checkout
+    return importlib.resources.files("relay") / "sql"
+
+
+def read_sql(*parts: str) -> str:
+    node = _sql_root()
+    for part in parts:
+        node = node / part
+    return node.read_text(encoding="utf-8")
+
+
+def parse_named_blocks(text: str) -> dict[str, str]:
+    """``-- name: x`` starts block ``x``; it runs to the next name or the end."""
+    blocks: dict[str, str] = {}
+    matches = list(_NAME.finditer(text))
+    for match, following in zip(matches, [*matches[1:], None], strict=True):
+        end = following.start() if following else len(text)
+        body = text[match.end() : end].strip()
+        blocks[match.group(1)] = body.rstrip(";")
+    return blocks
+
+
+@functools.cache
+def queries() -> dict[str, str]:
+    return parse_named_blocks(read_sql("queries.sql"))
+
+
+def install_files() -> list[str]:
+    root = _sql_root() / "install"
+    names = sorted(entry.name for entry in root.iterdir() if entry.name.endswith(".sql"))
+    return [read_sql("install", name) for name in names]
+
+
+@dataclass(frozen=True)
+class Names:
+    """The database objects of one relay installation, as composable SQL."""
+
+    table: sql.Identifier
+    unpublished_idx: sql.Identifier
+    backoff_idx: sql.Identifier
+    published_idx: sql.Identifier
+    backoff_idx_qualified: sql.Identifier
+    published_idx_qualified: sql.Identifier
+    notify_function: sql.Identifier
+    notify_trigger: sql.Identifier
+    channel: sql.Literal
+    trigger_name: str
+
+    @classmethod
+    def for_config(cls, config: Config) -> Names:
+        schema = config.table[:-1]
+        base = config.table_name
+        return cls(
+            table=sql.Identifier(*config.table),
+            unpublished_idx=sql.Identifier(f"{base}_unpublished_idx"),
+            backoff_idx=sql.Identifier(f"{base}_relay_backoff_idx"),
+            published_idx=sql.Identifier(f"{base}_relay_published_idx"),
+            backoff_idx_qualified=sql.Identifier(*schema, f"{base}_relay_backoff_idx"),
+            published_idx_qualified=sql.Identifier(*schema, f"{base}_relay_published_idx"),
+            notify_function=sql.Identifier(*schema, f"{base}_relay_notify"),
+            notify_trigger=sql.Identifier(f"{base}_relay_notify"),
+            channel=sql.Literal(config.channel),
+            trigger_name=f"{base}_relay_notify",
+        )
+
+    def compose(self, template: str) -> sql.Composed:
+        return sql.SQL(template).format(
+            table=self.table,
+            unpublished_idx=self.unpublished_idx,
+            backoff_idx=self.backoff_idx,
+            published_idx=self.published_idx,
+            backoff_idx_qualified=self.backoff_idx_qualified,
+            published_idx_qualified=self.published_idx_qualified,
+            notify_function=self.notify_function,
+            notify_trigger=self.notify_trigger,
+            channel=self.channel,
+        )
+
+
+def install_script(names: Names) -> list[sql.Composed]:
+    return [names.compose(text) for text in install_files()]
+
+
+def uninstall_script(names: Names) -> sql.Composed:
+    return names.compose(read_sql("uninstall.sql"))
+
+
+def query(names: Names, name: str) -> sql.Composed:
+    return names.compose(queries()[name])

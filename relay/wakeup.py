@@ -1,0 +1,26 @@
+"""A coalescing wake-up: many signals while the publisher is busy become one pass."""
+
+from __future__ import annotations
+
+import trio
+
+
+class Wakeup:
+    """``set(reason)`` never blocks; ``wait()`` returns the reasons collected since the
+    last wait. A notification is only a hint that rows may be there: the publisher
+    re-reads the table, so folding several hints into one pass loses nothing."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._reasons: set[str] = set()
+
+    def set(self, reason: str) -> None:
+        self._reasons.add(reason)
+        self._event.set()
+
+    async def wait(self) -> frozenset[str]:
+        await self._event.wait()
+        reasons = frozenset(self._reasons)
+        self._reasons.clear()
+        self._event = trio.Event()
+        return reasons

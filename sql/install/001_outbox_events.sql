@@ -1,0 +1,19 @@
+-- The contract's table and index, exactly as the event-outbox document gives them.
+-- The relay never changes these columns; it only adds its own (002).
+create table if not exists {table} (
+  id           uuid        primary key,
+  event_type   text        not null,
+  source       text        not null,
+  subject      text        not null,
+  time         timestamptz not null,
+  data         jsonb       not null,
+  created_at   timestamptz not null default now(),
+  published_at timestamptz null,
+  attempts     int         not null default 0
+);
+
+-- The publisher's only query. Without this it is a sequential scan of every
+-- event the service has ever published, forever.
+create index if not exists {unpublished_idx}
+  on {table} (created_at)
+  where published_at is null;

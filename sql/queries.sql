@@ -1,0 +1,90 @@
+-- Every query the relay runs, by name. Loaded once by relay/sqlfiles.py; {names}
+-- are identifiers from configuration, composed with psycopg.sql; %(names)s are
+-- bound parameters.
+
+-- name: claim
+-- Claim the next batch in order. Rows another relay holds are skipped, not waited
+-- on. A row waiting out its backoff is not claimed, and neither is any later row
+-- of its subject (per-subject order); a row at the cap holds nothing up.
+select o.id, o.event_type, o.source, o.subject, o.time, o.data::text, o.created_at,
+       o.attempts
+  from {table} o
+ where o.published_at is null
+   and o.attempts < %(max_attempts)s
+   and (o.relay_retry_at is null or o.relay_retry_at <= now())
+   and not exists (
+         select 1
+           from {table} b
+          where b.subject = o.subject
+            and b.published_at is null
+            and b.relay_retry_at is not null
+            and b.relay_retry_at > now()
+            and b.attempts < %(max_attempts)s
+            and (b.created_at, b.id) < (o.created_at, o.id))
+ order by o.created_at, o.id
+ limit %(batch_size)s
+   for update of o skip locked;
+
+-- name: blockers
+-- For the subjects of a claimed batch, the earliest unpublished live row that is
+-- not in the batch: held by another relay, or committed after the claim's
+-- snapshot. Plain reads see rows other relays have locked, without waiting.
+select distinct on (subject) subject, created_at, id
+  from {table}
+ where published_at is null
+   and attempts < %(max_attempts)s
+   and created_at <= %(last_created_at)s
+   and subject = any(%(subjects)s)
+   and id <> all(%(ids)s)
+ order by subject, created_at, id;
+
+-- name: mark_published
+update {table}
+   set published_at = clock_timestamp(), relay_retry_at = null, relay_last_error = null
+ where id = any(%(ids)s);
+
+-- name: mark_failed
+update {table} t
+   set attempts = f.attempts,
+       relay_retry_at = clock_timestamp() + make_interval(secs => f.delay),
+       relay_last_error = f.error
+  from unnest(%(ids)s::uuid[], %(attempts)s::int[], %(delays)s::float8[], %(errors)s::text[])
+       as f(id, attempts, delay, error)
+ where t.id = f.id;
+
+-- name: delete_spent
+-- Retention: spent rows only, oldest first, with the same skip-locked discipline
+-- as the publisher so it never waits on (or blocks) a batch in flight.
+with spent as (
+  select id
+    from {table}
+   where published_at is not null
+     and published_at < now() - make_interval(secs => %(retention)s)
+   order by published_at
+   limit %(batch_size)s
+     for update skip locked
+)
+delete from {table} t
+ using spent
+ where t.id = spent.id;
+
+-- name: relay_columns
+select count(*) from pg_attribute
+ where attrelid = %(table)s::regclass
+   and attname in ('relay_retry_at', 'relay_last_error')
+   and not attisdropped;
+
+-- name: notify_trigger_present
+select count(*) from pg_trigger
+ where tgrelid = %(table)s::regclass and tgname = %(trigger)s and not tgisinternal;
+
+-- name: backlog
+-- Table-wide gauges. Reads only the partial index of unpublished rows (and their
+-- heap tuples), so it costs the backlog, not the table.
+select count(*) as unpublished,
+       count(*) filter (where attempts >= %(max_attempts)s) as dead,
+       coalesce(extract(epoch from clock_timestamp()
+                - min(created_at) filter (where attempts < %(max_attempts)s)), 0)::float8
+         as oldest_age_seconds
+  from {table}
+ where published_at is null;
