@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support import database
+from tests.support.relayproc import RelayProcess
+from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL
+from tests.support.stream import TestStream
+
+
+@pytest.fixture
+def db_url() -> Iterator[str]:
+    """A fresh database on the machine's Postgres, with the relay installed."""
+    url = database.create_database(SHARED_PG_URL)
+    database.install(url)
+    yield url
+    database.drop_database(SHARED_PG_URL, url)
+
+
+@pytest.fixture
+def stream() -> Iterator[TestStream]:
+    created = TestStream(SHARED_NATS_URL)
+    yield created
+    created.delete()
+
+
+@pytest.fixture
+def relays() -> Iterator[list[RelayProcess]]:
+    """Relays started by a test; killed and cleaned up afterwards whatever happened."""
+    started: list[RelayProcess] = []
+    yield started
+    for relay in started:
+        relay.close()
+
+
+@pytest.fixture
+def start_relay(relays: list[RelayProcess], db_url: str):
+    def start(database_url: str | None = None, nats_url: str = SHARED_NATS_URL,
+              wait_ready: bool = True, **settings: object) -> RelayProcess:
+        relay = RelayProcess(database_url or db_url, nats_url, **settings)
+        relays.append(relay)
+        return relay.start(wait_ready=wait_ready)
+
+    return start

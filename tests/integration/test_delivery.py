@@ -1,0 +1,237 @@
+"""The relay end to end against the machine's Postgres and NATS JetStream."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import uuid
+from datetime import datetime
+
+import psycopg
+import pytest
+
+from tests.support import database
+from tests.support.database import Event
+from tests.support.relayproc import wait_until
+from tests.support.stream import TestStream
+
+pytestmark = pytest.mark.integration
+
+
+def delivered(stream: TestStream, count: int, timeout: float = 15.0) -> list:
+    def enough() -> list | None:
+        messages = stream.read()
+        return messages if len(messages) >= count else None
+
+    return wait_until(enough, timeout, interval=0.05, message=f"{count} messages in {stream.name}")
+
+
+def test_envelope_and_header_on_the_wire(db_url, stream, start_relay):
+    start_relay()
+    moment = datetime.fromisoformat("2026-05-01T12:30:45.123456+02:00")
+    event = Event(stream.subject("billing.invoice.paid"), "invoice/42",
+                  {"amount": 1250, "currency": "EUR", "note": "héllo ✓"}, time=moment,
+                  source="billing")
+    database.insert(db_url, [event])
+    [message] = delivered(stream, 1)
+    assert message.subject == event.event_type
+    assert message.msg_id == str(event.id)
+    assert message.envelope == {
+        "specversion": "1.0",
+        "id": str(event.id),
+        "type": event.event_type,
+        "source": "billing",
+        "subject": "invoice/42",
+        "time": "2026-05-01T10:30:45.123456Z",
+        "datacontenttype": "application/json",
+        "data": {"amount": 1250, "currency": "EUR", "note": "héllo ✓"},
+    }
+    row = database.rows_by_id(db_url)[str(event.id)]
+    assert row["published_at"] is not None
+    assert row["attempts"] == 0
+
+
+def test_rolled_back_transaction_publishes_nothing(db_url, stream, start_relay):
+    start_relay()
+    ghost = Event(stream.subject("ghost"), "g")
+    with psycopg.connect(db_url) as conn:
+        conn.execute(database.INSERT, (ghost.id, ghost.event_type, "t", "g", ghost.time, "{}"))
+        conn.rollback()
+    marker = Event(stream.subject("marker"), "m")
+    database.insert(db_url, [marker])
+    messages = delivered(stream, 1)
+    time.sleep(0.3)  # a ghost, if there were one, would have been in the same pass
+    ids = {m.msg_id for m in stream.read()}
+    assert ids == {str(marker.id)}
+    assert [m.msg_id for m in messages] == [str(marker.id)]
+
+
+def test_notification_wakes_relay_long_before_the_poll(db_url, stream, start_relay):
+    relay = start_relay(poll_interval="30s")
+    time.sleep(0.3)  # let the start-up sweep finish, so only a notification can wake it
+    for _ in range(3):
+        event = Event(stream.subject("fast"), "f")
+        started = time.monotonic()
+        database.insert(db_url, [event])
+        wait_until(lambda e=event: str(e.id) in {m.msg_id for m in stream.read()}, timeout=1.0,
+                   interval=0.01, message="delivery within 1 s")
+        assert time.monotonic() - started < 1.0
+    assert relay.metric("outbox_relay_wakeups_total", reason="notify") >= 3
+    assert relay.metric("outbox_relay_wakeups_total", reason="poll") == 0
+
+
+def test_poll_fallback_delivers_without_the_trigger(db_url, stream, start_relay):
+    database.execute(db_url, "drop trigger outbox_events_relay_notify on outbox_events")
+    relay = start_relay(poll_interval="300ms")
+    assert "notify trigger is not installed" in relay.logs()
+    events = [Event(stream.subject("polled"), f"p{i}") for i in range(20)]
+    database.insert(db_url, events)
+    assert {m.msg_id for m in delivered(stream, 20)} == {str(e.id) for e in events}
+    assert relay.metric("outbox_relay_wakeups_total", reason="notify") == 0
+    assert relay.metric("outbox_relay_wakeups_total", reason="poll") >= 1
+
+
+def test_two_relays_share_one_table_and_publish_each_row_once(db_url, stream, start_relay):
+    first = start_relay(batch_size=50)
+    second = start_relay(batch_size=50)
+    events = [Event(stream.subject(f"type{i % 3}"), f"entity-{i % 40}", {"i": i})
+              for i in range(3000)]
+
+    def produce(chunk):
+        for offset in range(0, len(chunk), 25):
+            database.insert(db_url, chunk[offset:offset + 25])
+
+    producers = [threading.Thread(target=produce, args=(events[i::4],)) for i in range(4)]
+    for thread in producers:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    messages = delivered(stream, 3000, timeout=60)
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="all rows marked")
+    time.sleep(0.3)
+    messages = stream.read()
+    ids = [m.msg_id for m in messages]
+    # The stream's duplicate window would hide a double publish; the relays' own
+    # counters would not: the two together published exactly one message a row.
+    assert sorted(ids) == sorted(str(e.id) for e in events)
+    published = [
+        sum(relay.metric("outbox_relay_published_total", event_type=stream.subject(f"type{t}"))
+            for t in range(3))
+        for relay in (first, second)
+    ]
+    assert sum(published) == 3000, published
+    duplicates = sum(r.metric("outbox_relay_duplicate_acks_total") for r in (first, second))
+    assert duplicates == 0
+
+
+def test_per_subject_order_across_two_relays(db_url, stream, start_relay):
+    start_relay(batch_size=7)
+    start_relay(batch_size=7)
+    events = []
+    with psycopg.connect(db_url) as conn:
+        for i in range(400):
+            # clock_timestamp(): every row its own created_at, even inside a transaction
+            event = Event(stream.subject("seq"), f"entity-{i % 5}", {"n": i})
+            conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
+                (event.id, event.event_type, event.subject, json.dumps(event.data)),
+            )
+            events.append(event)
+            if i % 10 == 9:
+                conn.commit()
+    messages = delivered(stream, 400, timeout=30)
+    per_subject: dict[str, list[int]] = {}
+    for message in messages:
+        envelope = message.envelope
+        per_subject.setdefault(envelope["subject"], []).append(envelope["data"]["n"])
+    for subject, numbers in per_subject.items():
+        assert numbers == sorted(numbers), f"{subject} out of order: {numbers}"
+
+
+def test_sigterm_exits_zero_and_loses_nothing(db_url, stream, start_relay):
+    relay = start_relay(batch_size=20)
+    events = [Event(stream.subject("term"), f"e{i % 7}") for i in range(2000)]
+    stop = threading.Event()
+
+    def produce():
+        for offset in range(0, len(events), 50):
+            database.insert(db_url, events[offset:offset + 50])
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    wait_until(lambda: len(stream.read()) > 100, message="traffic flowing")
+    assert relay.stop() == 0
+    stop.set()
+    producer.join()
+    rows = database.rows_by_id(db_url)
+    in_stream = {m.msg_id for m in stream.read()}
+    # Marked published means it is in the stream; nothing was marked without an ack.
+    marked = {row_id for row_id, row in rows.items() if row["published_at"] is not None}
+    assert marked <= in_stream
+    assert "stopped" in relay.logs()
+    # Restart: it picks up where it left off.
+    start_relay(batch_size=20)
+    wait_until(lambda: database.unpublished_count(db_url) == 0, timeout=30, message="drain")
+    assert {m.msg_id for m in stream.read()} == {str(e.id) for e in events}
+
+
+def test_sigint_also_stops_cleanly(db_url, stream, start_relay):
+    relay = start_relay()
+    relay.signal(signal.SIGINT)
+    assert relay.process.wait(20) == 0
+
+
+def test_restart_picks_up_rows_written_while_down(db_url, stream, start_relay):
+    first = start_relay()
+    database.insert(db_url, [Event(stream.subject("before"), "b")])
+    delivered(stream, 1)
+    assert first.stop() == 0
+    later = [Event(stream.subject("while-down"), f"d{i}") for i in range(50)]
+    database.insert(db_url, later)
+    start_relay(poll_interval="30s")  # the start-up sweep finds them, not a poll
+    assert len(delivered(stream, 51)) == 51
+
+
+def test_listen_backend_terminated_reconnects_and_sweeps(db_url, stream, start_relay):
+    relay = start_relay(poll_interval="30s")
+    database.insert(db_url, [Event(stream.subject("one"), "a")])
+    delivered(stream, 1)
+    database.execute(
+        db_url,
+        "select pg_terminate_backend(pid) from pg_stat_activity "
+        "where datname = current_database() and query ilike 'listen%%'",
+    )
+    wait_until(lambda: relay.metric("outbox_relay_wakeups_total", reason="reconnect") >= 2,
+               message="LISTEN reconnect")
+    database.insert(db_url, [Event(stream.subject("two"), "b")])
+    assert len(delivered(stream, 2, timeout=3)) == 2
+    assert relay.ready()
+    assert any("LISTEN connection lost" in r.get("message", "") for r in relay.log_records())
+
+
+def test_retention_deletes_only_spent_rows(db_url, stream, start_relay):
+    old_spent, new_spent, old_unpublished, old_dead = (uuid.uuid4() for _ in range(4))
+    with psycopg.connect(db_url) as conn:
+        for row_id, published, attempts in (
+            (old_spent, "now() - interval '2 hours'", 0),
+            (new_spent, "now() - interval '10 minutes'", 0),
+            (old_unpublished, "null", 0),
+            (old_dead, "null", 20),
+        ):
+            conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                f"created_at, published_at, attempts) values (%s, 'bad subject', 't', 's', now(), "
+                f"'{{}}', now() - interval '3 hours', {published}, %s)",
+                (row_id, attempts),
+            )
+    # The unpublished live row has an invalid subject so it goes dead, and stays.
+    relay = start_relay(retention="1h", retention_interval="200ms", max_attempts=20)
+    wait_until(lambda: relay.metric("outbox_relay_retention_deleted_total") >= 1,
+               message="retention ran")
+    time.sleep(0.5)
+    remaining = set(database.rows_by_id(db_url))
+    assert remaining == {str(new_spent), str(old_unpublished), str(old_dead)}
+    assert relay.metric("outbox_relay_retention_deleted_total") == 1

@@ -1,0 +1,88 @@
+"""Postgres helpers for the tests: a database of its own per test, and producers."""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from relay import database as relay_database
+from relay.config import Config
+from relay.sqlfiles import Names
+
+
+def with_database(url: str, dbname: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{dbname}"))
+
+
+def create_database(server_url: str) -> str:
+    name = f"relay_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f'create database "{name}"')
+    return with_database(server_url, name)
+
+
+def drop_database(server_url: str, url: str) -> None:
+    name = urllib.parse.urlsplit(url).path.lstrip("/")
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(f'drop database if exists "{name}" with (force)')
+
+
+def install(url: str, config: Config | None = None) -> None:
+    relay_database.install(url, Names.for_config(config or Config()))
+
+
+@dataclass
+class Event:
+    event_type: str
+    subject: str
+    data: Any = field(default_factory=dict)
+    id: uuid.UUID = field(default_factory=uuid.uuid4)
+    source: str = "tests"
+    time: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+INSERT = (
+    "insert into outbox_events (id, event_type, source, subject, time, data) "
+    "values (%s, %s, %s, %s, %s, %s)"
+)
+
+
+def insert(url: str, events: Sequence[Event], *, table: str = "outbox_events") -> None:
+    """Insert ``events`` in one transaction, the way a producer does."""
+    with psycopg.connect(url) as conn, conn.cursor() as cur:
+        cur.executemany(
+            INSERT.replace("outbox_events", table),
+            [(e.id, e.event_type, e.source, e.subject, e.time, json.dumps(e.data)) for e in events],
+        )
+
+
+def fetch(url: str, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url) as conn:
+        return conn.execute(sql, tuple(params)).fetchall()
+
+
+def execute(url: str, sql: str, params: Iterable[Any] = ()) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql, tuple(params))
+
+
+def rows_by_id(url: str) -> dict[str, dict[str, Any]]:
+    with psycopg.connect(url) as conn:
+        cur = conn.execute(
+            "select id::text, event_type, subject, published_at, attempts, relay_retry_at, "
+            "relay_last_error, created_at from outbox_events"
+        )
+        cols = [d.name for d in cur.description or ()]
+        return {row[0]: dict(zip(cols, row, strict=True)) for row in cur.fetchall()}
+
+
+def unpublished_count(url: str) -> int:
+    return int(fetch(url, "select count(*) from outbox_events where published_at is null")[0][0])

@@ -1,0 +1,106 @@
+"""JetStream helpers for the tests (plain asyncio; the tests themselves are sync)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+from nats.js.api import DiscardPolicy, StreamConfig
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    seq: int
+    subject: str
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def envelope(self) -> dict[str, Any]:
+        return json.loads(self.body)
+
+    @property
+    def msg_id(self) -> str:
+        return self.headers.get("Nats-Msg-Id", "")
+
+
+async def _with_js(url: str, action: Any) -> Any:
+    nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+    try:
+        return await action(nc.jetstream())
+    finally:
+        await nc.close()
+
+
+def run_js(url: str, action: Any) -> Any:
+    return asyncio.run(_with_js(url, action))
+
+
+class TestStream:
+    """A stream of its own for one test, capturing ``<prefix>.>``."""
+
+    __test__ = False  # not a test class, despite the name
+
+    def __init__(self, url: str, **limits: Any) -> None:
+        self.url = url
+        token = uuid.uuid4().hex[:10]
+        self.name = f"T{token}"
+        self.prefix = f"t{token}"
+        self.create(self.name, [f"{self.prefix}.>"], **limits)
+
+    def subject(self, suffix: str) -> str:
+        return f"{self.prefix}.{suffix}"
+
+    def create(self, name: str, subjects: list[str], **limits: Any) -> None:
+        async def action(js: Any) -> None:
+            await js.add_stream(StreamConfig(name=name, subjects=subjects, **limits))
+
+        run_js(self.url, action)
+
+    def update(self, name: str, **changes: Any) -> None:
+        async def action(js: Any) -> None:
+            info = await js.stream_info(name)
+            config = info.config
+            for key, value in changes.items():
+                setattr(config, key, value)
+            await js.update_stream(config)
+
+        run_js(self.url, action)
+
+    def delete(self, name: str | None = None) -> None:
+        async def action(js: Any) -> None:
+            try:
+                await js.delete_stream(name or self.name)
+            except nats.js.errors.NotFoundError:
+                pass
+
+        run_js(self.url, action)
+
+    def read(self, name: str | None = None) -> list[StoredMessage]:
+        """Every message in the stream, in stream order."""
+
+        async def action(js: Any) -> list[StoredMessage]:
+            stream = name or self.name
+            info = await js.stream_info(stream)
+            out: list[StoredMessage] = []
+            if info.state.messages == 0:
+                return out
+            seq = info.state.first_seq
+            while seq <= info.state.last_seq:
+                try:
+                    msg = await js.get_msg(stream, seq)
+                except nats.js.errors.NotFoundError:
+                    seq += 1
+                    continue
+                out.append(StoredMessage(seq, msg.subject, dict(msg.headers or {}), msg.data or b""))
+                seq += 1
+            return out
+
+        return run_js(self.url, action)
+
+
+DISCARD_NEW = DiscardPolicy.NEW
