@@ -7,6 +7,7 @@ nats-py errors are translated here into :class:`~relay.model.Failed` values
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Sequence
 
@@ -14,8 +15,8 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
 
 from relay import aio
 from relay.config import redact_url
@@ -51,6 +52,58 @@ def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, o
     return Failed(FailureReason.OTHER, f"{exc.__class__.__name__}: {exc}")
 
 
+def parse_ack(msg: Msg) -> PublishResult:
+    """A JetStream reply: a PubAck, an API error, or "no responders"."""
+    if msg.headers and msg.headers.get("Status") == "503":
+        return Failed(FailureReason.NO_STREAM, "no stream captures the subject (no responders)")
+    try:
+        reply = json.loads(msg.data)
+    except ValueError:
+        return Failed(FailureReason.OTHER, f"unreadable JetStream reply: {msg.data[:200]!r}")
+    if not isinstance(reply, dict):
+        return Failed(FailureReason.OTHER, f"unexpected JetStream reply: {msg.data[:200]!r}")
+    error = reply.get("error")
+    if error is not None:
+        description = error.get("description", error) if isinstance(error, dict) else error
+        return Failed(FailureReason.OTHER, f"JetStream refused the message: {description}")
+    if "stream" not in reply:
+        return Failed(FailureReason.OTHER, f"not a PubAck: {msg.data[:200]!r}")
+    return Acked(duplicate=bool(reply.get("duplicate", False)))
+
+
+class _AckInbox:
+    """Pipelined JetStream publishing: every message carries a reply subject under
+    one wildcard inbox, and each reply settles the future of its message.
+
+    nats-py's own publish_async raises API errors inside its reply callback instead
+    of failing the message's future, so a refused message would only surface as a
+    timeout; this inbox turns every reply into a result."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._next = 0
+        self._futures: dict[str, asyncio.Future[PublishResult]] = {}
+
+    def expect(self, loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Future[PublishResult]]:
+        self._next += 1
+        token = str(self._next)
+        future: asyncio.Future[PublishResult] = loop.create_future()
+        self._futures[token] = future
+        return token, future
+
+    def forget(self, token: str) -> None:
+        self._futures.pop(token, None)
+
+    def forget_cancelled(self) -> None:
+        for token in [t for t, f in self._futures.items() if f.done()]:
+            del self._futures[token]
+
+    async def on_reply(self, msg: Msg) -> None:
+        future = self._futures.pop(msg.subject[len(self.prefix) :], None)
+        if future is not None and not future.done():
+            future.set_result(parse_ack(msg))
+
+
 class Broker:
     def __init__(
         self,
@@ -63,6 +116,7 @@ class Broker:
         self._on_change = on_connection_change
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
+        self._acks: _AckInbox | None = None
 
     @property
     def connected(self) -> bool:
@@ -132,48 +186,57 @@ class Broker:
         throw away the acks that did arrive; each of those is a row to mark."""
         if self._js is None or not self.connected:
             return [Failed(FailureReason.DISCONNECTED, "not connected to NATS")] * len(messages)
-        results = await aio.call(self._publish_all, self._js, messages, budget)
+        assert self._nc is not None  # connected, checked above
+        results = await aio.call(self._publish_all, self._nc, messages, budget)
         return await self._confirm_no_stream(messages, results)
 
     async def _publish_all(
-        self, js: JetStreamContext, messages: Sequence[Message], budget: float
+        self, nc: Client, messages: Sequence[Message], budget: float
     ) -> list[PublishResult]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
-        sent: list[asyncio.Future[PubAck] | Failed] = []
+        acks = await self._ack_inbox(nc)
+        sent: list[asyncio.Future[PublishResult] | Failed] = []
         for message in messages:
+            token, future = acks.expect(loop)
             try:
-                future = await js.publish_async(
+                await nc.publish(
                     message.subject,
                     message.body,
+                    reply=acks.prefix + token,
                     headers=dict(message.headers),
-                    wait_stall=max(0.0, deadline - loop.time()),
                 )
-                sent.append(future)
             except Exception as exc:  # noqa: BLE001 - every failure becomes a value
+                acks.forget(token)
                 sent.append(classify(exc))
+            else:
+                sent.append(future)
         waiting = [item for item in sent if isinstance(item, asyncio.Future)]
         if waiting:
-            _, late = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()))
-            for future in late:
-                future.cancel()
+            await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()))
         connected = self.connected
         results: list[PublishResult] = []
         for item in sent:
             if isinstance(item, Failed):
                 results.append(item)
-            elif item.cancelled():
+            elif item.done():
+                results.append(item.result())
+            else:
+                item.cancel()
                 results.append(
                     Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
                     if connected
                     else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
                 )
-            elif item.exception() is not None:
-                results.append(classify(item.exception()))  # type: ignore[arg-type] # checked just above
-            else:
-                ack = item.result()
-                results.append(Acked(duplicate=bool(getattr(ack, "duplicate", False))))
+        acks.forget_cancelled()
         return results
+
+    async def _ack_inbox(self, nc: Client) -> _AckInbox:
+        if self._acks is None:
+            acks = _AckInbox(nc.new_inbox() + ".")
+            await nc.subscribe(acks.prefix + "*", cb=acks.on_reply)
+            self._acks = acks
+        return self._acks
 
     async def _confirm_no_stream(
         self, messages: Sequence[Message], results: list[PublishResult]

@@ -37,8 +37,12 @@ def relays() -> Iterator[list[RelayProcess]]:
 
 @pytest.fixture
 def start_relay(relays: list[RelayProcess], db_url: str):
-    def start(database_url: str | None = None, nats_url: str = SHARED_NATS_URL,
-              wait_ready: bool = True, **settings: object) -> RelayProcess:
+    def start(
+        database_url: str | None = None,
+        nats_url: str = SHARED_NATS_URL,
+        wait_ready: bool = True,
+        **settings: object,
+    ) -> RelayProcess:
         relay = RelayProcess(database_url or db_url, nats_url, **settings)
         relays.append(relay)
         return relay.start(wait_ready=wait_ready)

@@ -31,9 +31,13 @@ def delivered(stream: TestStream, count: int, timeout: float = 15.0) -> list:
 def test_envelope_and_header_on_the_wire(db_url, stream, start_relay):
     start_relay()
     moment = datetime.fromisoformat("2026-05-01T12:30:45.123456+02:00")
-    event = Event(stream.subject("billing.invoice.paid"), "invoice/42",
-                  {"amount": 1250, "currency": "EUR", "note": "héllo ✓"}, time=moment,
-                  source="billing")
+    event = Event(
+        stream.subject("billing.invoice.paid"),
+        "invoice/42",
+        {"amount": 1250, "currency": "EUR", "note": "héllo ✓"},
+        time=moment,
+        source="billing",
+    )
     database.insert(db_url, [event])
     [message] = delivered(stream, 1)
     assert message.subject == event.event_type
@@ -75,8 +79,12 @@ def test_notification_wakes_relay_long_before_the_poll(db_url, stream, start_rel
         event = Event(stream.subject("fast"), "f")
         started = time.monotonic()
         database.insert(db_url, [event])
-        wait_until(lambda e=event: str(e.id) in {m.msg_id for m in stream.read()}, timeout=1.0,
-                   interval=0.01, message="delivery within 1 s")
+        wait_until(
+            lambda e=event: str(e.id) in {m.msg_id for m in stream.read()},
+            timeout=1.0,
+            interval=0.01,
+            message="delivery within 1 s",
+        )
         assert time.monotonic() - started < 1.0
     assert relay.metric("outbox_relay_wakeups_total", reason="notify") >= 3
     assert relay.metric("outbox_relay_wakeups_total", reason="poll") == 0
@@ -96,12 +104,13 @@ def test_poll_fallback_delivers_without_the_trigger(db_url, stream, start_relay)
 def test_two_relays_share_one_table_and_publish_each_row_once(db_url, stream, start_relay):
     first = start_relay(batch_size=50)
     second = start_relay(batch_size=50)
-    events = [Event(stream.subject(f"type{i % 3}"), f"entity-{i % 40}", {"i": i})
-              for i in range(3000)]
+    events = [
+        Event(stream.subject(f"type{i % 3}"), f"entity-{i % 40}", {"i": i}) for i in range(3000)
+    ]
 
     def produce(chunk):
         for offset in range(0, len(chunk), 25):
-            database.insert(db_url, chunk[offset:offset + 25])
+            database.insert(db_url, chunk[offset : offset + 25])
 
     producers = [threading.Thread(target=produce, args=(events[i::4],)) for i in range(4)]
     for thread in producers:
@@ -117,8 +126,10 @@ def test_two_relays_share_one_table_and_publish_each_row_once(db_url, stream, st
     # counters would not: the two together published exactly one message a row.
     assert sorted(ids) == sorted(str(e.id) for e in events)
     published = [
-        sum(relay.metric("outbox_relay_published_total", event_type=stream.subject(f"type{t}"))
-            for t in range(3))
+        sum(
+            relay.metric("outbox_relay_published_total", event_type=stream.subject(f"type{t}"))
+            for t in range(3)
+        )
         for relay in (first, second)
     ]
     assert sum(published) == 3000, published
@@ -158,7 +169,7 @@ def test_sigterm_exits_zero_and_loses_nothing(db_url, stream, start_relay):
 
     def produce():
         for offset in range(0, len(events), 50):
-            database.insert(db_url, events[offset:offset + 50])
+            database.insert(db_url, events[offset : offset + 50])
 
     producer = threading.Thread(target=produce)
     producer.start()
@@ -204,8 +215,10 @@ def test_listen_backend_terminated_reconnects_and_sweeps(db_url, stream, start_r
         "select pg_terminate_backend(pid) from pg_stat_activity "
         "where datname = current_database() and query ilike 'listen%%'",
     )
-    wait_until(lambda: relay.metric("outbox_relay_wakeups_total", reason="reconnect") >= 2,
-               message="LISTEN reconnect")
+    wait_until(
+        lambda: relay.metric("outbox_relay_wakeups_total", reason="reconnect") >= 2,
+        message="LISTEN reconnect",
+    )
     database.insert(db_url, [Event(stream.subject("two"), "b")])
     assert len(delivered(stream, 2, timeout=3)) == 2
     assert relay.ready()
@@ -229,8 +242,9 @@ def test_retention_deletes_only_spent_rows(db_url, stream, start_relay):
             )
     # The unpublished live row has an invalid subject so it goes dead, and stays.
     relay = start_relay(retention="1h", retention_interval="200ms", max_attempts=20)
-    wait_until(lambda: relay.metric("outbox_relay_retention_deleted_total") >= 1,
-               message="retention ran")
+    wait_until(
+        lambda: relay.metric("outbox_relay_retention_deleted_total") >= 1, message="retention ran"
+    )
     time.sleep(0.5)
     remaining = set(database.rows_by_id(db_url))
     assert remaining == {str(new_spent), str(old_unpublished), str(old_dead)}

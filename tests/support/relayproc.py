@@ -18,8 +18,12 @@ from typing import Any
 from tests.support.servers import free_port
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.02,
-               message: str = "condition") -> Any:
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 15.0,
+    interval: float = 0.02,
+    message: str = "condition",
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -50,8 +54,10 @@ class RelayProcess:
     def start(self, *, wait_ready: bool = True) -> RelayProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "relay", "run"], env=self.env,
-                stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", "relay", "run"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         if wait_ready:
             self.wait_ready()
@@ -59,7 +65,9 @@ class RelayProcess:
 
     def get(self, path: str) -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5) as r:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5
+            ) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()

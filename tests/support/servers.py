@@ -20,7 +20,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-SHARED_PG_URL = os.environ.get("OUTBOX_RELAY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+SHARED_PG_URL = os.environ.get(
+    "OUTBOX_RELAY_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 SHARED_NATS_URL = os.environ.get("OUTBOX_RELAY_TEST_NATS", "nats://127.0.0.1:4222")
 
 
@@ -68,9 +70,21 @@ class ThrowawayPostgres:
             uid = pwd.getpwnam("postgres").pw_uid
             os.chown(self.dir, uid, -1)
         subprocess.run(
-            [*_as_postgres_user(), _pg_bin("initdb"), "-D", str(self.data), "-A", "trust",
-             "-U", "postgres", "--no-sync", "-E", "UTF8"],
-            check=True, capture_output=True,
+            [
+                *_as_postgres_user(),
+                _pg_bin("initdb"),
+                "-D",
+                str(self.data),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+            check=True,
+            capture_output=True,
         )
         with open(self.data / "postgresql.conf", "a") as conf:
             conf.write(
@@ -85,9 +99,20 @@ class ThrowawayPostgres:
 
     def _ctl(self, *args: str) -> None:
         subprocess.run(
-            [*_as_postgres_user(), _pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log),
-             "-w", "-t", "60", *args],
-            check=True, capture_output=True,
+            [
+                *_as_postgres_user(),
+                _pg_bin("pg_ctl"),
+                "-D",
+                str(self.data),
+                "-l",
+                str(self.log),
+                "-w",
+                "-t",
+                "60",
+                *args,
+            ],
+            check=True,
+            capture_output=True,
         )
 
     def start(self) -> None:
@@ -130,9 +155,20 @@ class ThrowawayNats:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(self.dir / "store"), "-l", str(self.dir / "nats.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                nats_server_binary(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.dir / "store"),
+                "-l",
+                str(self.dir / "nats.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port)
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import nats
@@ -18,6 +19,7 @@ class StoredMessage:
     subject: str
     headers: dict[str, str]
     body: bytes
+    stored_at: datetime | None = None  # the server's clock, comparable across streams
 
     @property
     def envelope(self) -> dict[str, Any]:
@@ -96,7 +98,8 @@ class TestStream:
                 except nats.js.errors.NotFoundError:
                     seq += 1
                     continue
-                out.append(StoredMessage(seq, msg.subject, dict(msg.headers or {}), msg.data or b""))
+                headers = dict(msg.headers or {})
+                out.append(StoredMessage(seq, msg.subject, headers, msg.data or b"", msg.time))
                 seq += 1
             return out
 

@@ -1,0 +1,213 @@
+"""Failing rows: backoff, the attempt cap, unpublishable rows, order around failures."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import psycopg
+import pytest
+
+from relay.backoff import row_retry_delay
+from tests.support import database
+from tests.support.database import Event
+from tests.support.relayproc import wait_until
+from tests.support.stream import DISCARD_NEW, TestStream, run_js
+
+pytestmark = pytest.mark.integration
+
+
+class RefusingStream:
+    """A second stream whose one subject refuses every new message (max_msgs=1,
+    discard new, already holding one), so publishes to it fail and can be retried
+    until ``accept()`` lifts the limit."""
+
+    def __init__(self, stream: TestStream) -> None:
+        self.stream = stream
+        self.name = f"{stream.name}_FULL"
+        self.subject = f"{stream.prefix}_full.refused"
+        stream.create(self.name, [self.subject], max_msgs=1, discard=DISCARD_NEW)
+
+        async def fill(js):
+            await js.publish(self.subject, b"filler")
+
+        run_js(stream.url, fill)
+
+    def accept(self) -> None:
+        self.stream.update(self.name, max_msgs=-1)
+
+    def delete(self) -> None:
+        self.stream.delete(self.name)
+
+
+@pytest.fixture
+def refusing(stream):
+    created = RefusingStream(stream)
+    yield created
+    created.delete()
+
+
+def insert_ordered(url: str, events: list[Event]) -> None:
+    """One row at a time, each with its own created_at, in list order."""
+    with psycopg.connect(url) as conn:
+        for event in events:
+            conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
+                (event.id, event.event_type, event.subject, json.dumps(event.data)),
+            )
+            conn.commit()
+
+
+def failure_times(relay, row_id: str) -> list[tuple[float, int]]:
+    """(log time, attempts) of each logged failed publish of one row."""
+    from datetime import datetime
+
+    out = []
+    for record in relay.log_records():
+        if record.get("row_id") == row_id and record.get("message", "").startswith(
+            "publish failed"
+        ):
+            out.append((datetime.fromisoformat(record["time"]).timestamp(), record["attempts"]))
+    return out
+
+
+def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusing, start_relay):
+    relay = start_relay(
+        backoff_base="200ms", backoff_max="800ms", max_attempts=6, poll_interval="50ms"
+    )
+    event = Event(refusing.subject, "r")
+    database.insert(db_url, [event])
+    row_id = str(event.id)
+    wait_until(
+        lambda: database.rows_by_id(db_url)[row_id]["attempts"] == 6,
+        timeout=20,
+        message="row at the cap",
+    )
+    row = database.rows_by_id(db_url)[row_id]
+    assert row["published_at"] is None
+    assert row["relay_retry_at"] is None
+    assert row["relay_last_error"].startswith("other: JetStream refused the message")
+    times = failure_times(relay, row_id)
+    assert [attempts for _, attempts in times] == [1, 2, 3, 4, 5]  # the 6th logs as dead
+    for (earlier, attempts), (later, _) in zip(times, times[1:], strict=False):
+        # Never before its backoff; the 50 ms poll bounds how late it can be.
+        waited = later - earlier
+        expected = row_retry_delay(attempts, 0.2, 0.8)
+        assert waited >= expected - 0.02, (attempts, waited)
+        assert waited <= expected + 1.0, (attempts, waited)
+    dead_lines = [
+        r
+        for r in relay.log_records()
+        if r.get("row_id") == row_id and "attempt cap" in r.get("message", "")
+    ]
+    assert len(dead_lines) == 1
+    assert (
+        relay.metric(
+            "outbox_relay_publish_failures_total", event_type=event.event_type, reason="other"
+        )
+        == 6
+    )
+    # At the cap it is left alone: no more attempts, no more log lines.
+    time.sleep(1.0)
+    assert database.rows_by_id(db_url)[row_id]["attempts"] == 6
+    assert len(failure_times(relay, row_id)) == 5
+    wait_until(lambda: relay.metric("outbox_relay_dead_rows") == 1, message="dead gauge")
+
+
+@pytest.mark.parametrize(
+    ("event_type", "reason"),
+    [
+        ("", "invalid_subject"),
+        ("has space", "invalid_subject"),
+        ("orders.*", "invalid_subject"),
+        ("orders.>", "invalid_subject"),
+        ("orders..created", "invalid_subject"),
+        (".orders", "invalid_subject"),
+        ("$JS.API.STREAM.DELETE.X", "invalid_subject"),
+        ("nostream.anywhere.created", "no_stream"),
+    ],
+)
+def test_unpublishable_row_goes_to_the_cap_at_once(db_url, stream, start_relay, event_type, reason):
+    relay = start_relay(max_attempts=20)
+    bad = Event(event_type, "bad")
+    good = [Event(stream.subject("ok"), "bad") for _ in range(3)]  # same subject: not held up
+    database.insert(db_url, [bad, *good])
+    wait_until(lambda: len(stream.read()) == 3, message="good rows delivered")
+    row = database.rows_by_id(db_url)[str(bad.id)]
+    assert row["published_at"] is None
+    assert row["attempts"] == 20
+    assert row["relay_last_error"].startswith(reason)
+    assert relay.metric("outbox_relay_dead_marked_total", event_type=event_type, reason=reason) == 1
+
+
+def test_payload_over_max_payload_goes_to_the_cap_at_once(db_url, stream, start_relay):
+    relay = start_relay(max_attempts=20)
+    huge = Event(stream.subject("huge"), "s", {"blob": "x" * (1024 * 1024)})
+    fits = Event(stream.subject("huge"), "s", {"blob": "y" * 100_000})
+    database.insert(db_url, [huge, fits])
+    [message] = wait_until(lambda: stream.read() or None, message="the row that fits")
+    assert message.msg_id == str(fits.id)
+    row = database.rows_by_id(db_url)[str(huge.id)]
+    assert row["attempts"] == 20
+    assert "max_payload" in row["relay_last_error"]
+    assert (
+        relay.metric(
+            "outbox_relay_dead_marked_total", event_type=huge.event_type, reason="too_large"
+        )
+        == 1
+    )
+
+
+def test_failing_row_holds_its_subject_back_and_nothing_else(db_url, stream, refusing, start_relay):
+    start_relay(backoff_base="200ms", backoff_max="400ms", max_attempts=1000, poll_interval="50ms")
+    first = Event(stream.subject("ok"), "account-1", {"n": 1})
+    failing = Event(refusing.subject, "account-1", {"n": 2})
+    after = Event(stream.subject("ok"), "account-1", {"n": 3})
+    other = [Event(stream.subject("ok"), "account-2", {"n": i}) for i in range(5)]
+    insert_ordered(db_url, [first, failing, after, *other])
+    wait_until(lambda: len(stream.read()) == 6, message="first row and the other subject")
+    time.sleep(1.0)  # several backoff rounds of the failing row
+    ids = [m.msg_id for m in stream.read()]
+    assert str(after.id) not in ids  # waits behind the failing row
+    assert set(ids) == {str(first.id), *(str(e.id) for e in other)}
+    rows = database.rows_by_id(db_url)
+    assert rows[str(failing.id)]["attempts"] >= 2
+    assert rows[str(after.id)]["attempts"] == 0  # never tried, so never failed
+    # The broker takes it again: the failing row goes, then the one behind it.
+    refusing.accept()
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="drain")
+    # Stored in that order (one server clock for both streams): the row behind was
+    # sent only once the failing row's ack was in.
+    stored = {m.msg_id: m.stored_at for m in stream.read() + stream.read(refusing.name)}
+    assert stored[str(failing.id)] < stored[str(after.id)]
+
+
+def test_row_at_the_cap_releases_its_subject(db_url, stream, refusing, start_relay):
+    start_relay(backoff_base="100ms", backoff_max="100ms", max_attempts=3, poll_interval="50ms")
+    failing = Event(refusing.subject, "account-1", {"n": 1})
+    after = Event(stream.subject("ok"), "account-1", {"n": 2})
+    insert_ordered(db_url, [failing, after])
+    [message] = wait_until(lambda: stream.read() or None, message="row behind the dead one")
+    assert message.msg_id == str(after.id)
+    assert database.rows_by_id(db_url)[str(failing.id)]["attempts"] == 3
+
+
+def test_backoff_holds_across_a_restart(db_url, refusing, start_relay):
+    first = start_relay(
+        backoff_base="20s", backoff_max="20s", max_attempts=10, poll_interval="50ms"
+    )
+    event = Event(refusing.subject, "x")
+    database.insert(db_url, [event])
+    wait_until(
+        lambda: database.rows_by_id(db_url)[str(event.id)]["attempts"] == 1, message="first failure"
+    )
+    assert first.stop() == 0
+    refusing.accept()  # it would succeed now, if it were tried
+    start_relay(backoff_base="20s", backoff_max="20s", max_attempts=10, poll_interval="50ms")
+    time.sleep(1.0)
+    row = database.rows_by_id(db_url)[str(event.id)]
+    assert row["attempts"] == 1
+    assert row["published_at"] is None  # still waiting out the 20 s from before
+    database.execute(db_url, "update outbox_events set relay_retry_at = now()")
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="retry after backoff")
