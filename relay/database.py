@@ -5,7 +5,10 @@ psycopg errors are translated here, once, into the relay's error tree.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -48,6 +51,16 @@ _SETUP_ERRORS = (
     psycopg.errors.InvalidSchemaName,
     psycopg.errors.InsufficientPrivilege,
 )
+
+
+def break_connection(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Shut the connection's socket down under it, so whatever waits on it fails at
+    once. For a connection that stopped answering: cancelling the wait instead would
+    make psycopg send a cancel request down the same dead path and wait for it."""
+    with contextlib.suppress(OSError, psycopg.Error):
+        fd = conn.pgconn.socket
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def connection_string(url: str) -> str:

@@ -7,6 +7,7 @@ have committed while nobody listened, and the poll timer covers anything else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -17,6 +18,7 @@ from psycopg import sql
 
 from relay import aio
 from relay.backoff import ReconnectBackoff
+from relay.database import break_connection
 from relay.health import Health
 from relay.metrics import Metrics
 from relay.wakeup import Wakeup
@@ -34,6 +36,20 @@ async def _wait_for_notification(conn: psycopg.AsyncConnection[Any], seconds: fl
 
 async def _connect_autocommit(conninfo: str) -> psycopg.AsyncConnection[Any]:
     return await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
+
+
+async def _probe_or_break(conn: psycopg.AsyncConnection[Any], seconds: float) -> None:
+    """asyncio side: ``select 1``. A connection that does not answer within
+    ``seconds`` is broken on purpose, which makes the pending query fail at once."""
+    def give_up() -> None:
+        log.warning("LISTEN probe unanswered after %.1fs: dropping the connection", seconds)
+        break_connection(conn)
+
+    watchdog = asyncio.get_running_loop().call_later(seconds, give_up)
+    try:
+        await conn.execute("select 1")
+    finally:
+        watchdog.cancel()
 
 
 class Listener:
@@ -85,8 +101,7 @@ class Listener:
                     self._wakeup.set("notify")
                     continue
                 # Quiet for a whole keepalive: make sure the connection still works.
-                with trio.fail_after(self._probe_timeout):
-                    await aio.call(conn.execute, "select 1")
+                await self._probe(conn)
         finally:
             with (
                 trio.CancelScope(shield=True),
@@ -94,6 +109,9 @@ class Listener:
                 contextlib.suppress(psycopg.Error, OSError),
             ):
                 await aio.call(conn.close)
+
+    async def _probe(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await aio.call(_probe_or_break, conn, self._probe_timeout)
 
     def _set_state(self, *, up: bool) -> None:
         self._health.listening = up

@@ -31,6 +31,11 @@ from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
+# Beyond the publish timeout, how long one pass may spend in the database. A pass
+# that takes longer is stuck on a connection that died without telling anyone (a
+# blackholed path): it is abandoned, rolled back by the server, and retried.
+DATABASE_BUDGET = 15.0
+
 # When every claimed row had to wait for another relay's batch, try again after this
 # long rather than at once: the other batch is done within publish_timeout, and
 # re-claiming in a tight loop would only burn both databases' CPU.
@@ -86,14 +91,20 @@ class Publisher:
                 # Nothing to publish to: leave the rows alone rather than burn their
                 # attempts. The reconnect callback wakes the loop again.
                 return
+            failure: RelayError | None = None
             try:
-                result = await self.run_pass()
+                with trio.fail_after(self._config.publish_timeout + DATABASE_BUDGET):
+                    result = await self.run_pass()
+            except trio.TooSlowError:
+                failure = DatabaseUnavailable("a batch took too long: database unresponsive")
             except RelayError as exc:
+                failure = exc
+            if failure is not None:
                 self._metrics.database_errors.labels(task="publisher").inc()
-                if isinstance(exc, DatabaseUnavailable):
+                if isinstance(failure, DatabaseUnavailable):
                     self._health.database = False
                 delay = backoff.next_delay()
-                log.warning("batch failed, retrying in %.1fs: %s", delay, exc)
+                log.warning("batch failed, retrying in %.1fs: %s", delay, failure)
                 with trio.move_on_after(delay):
                     await stopping.wait()
                 continue
