@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
+from itertools import pairwise
 
 import psycopg
 import pytest
@@ -61,8 +63,6 @@ def insert_ordered(url: str, events: list[Event]) -> None:
 
 def failure_times(relay, row_id: str) -> list[tuple[float, int]]:
     """(log time, attempts) of each logged failed publish of one row."""
-    from datetime import datetime
-
     out = []
     for record in relay.log_records():
         if record.get("row_id") == row_id and record.get("message", "").startswith(
@@ -90,7 +90,7 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
     assert row["relay_last_error"].startswith("other: JetStream refused the message")
     times = failure_times(relay, row_id)
     assert [attempts for _, attempts in times] == [1, 2, 3, 4, 5]  # the 6th logs as dead
-    for (earlier, attempts), (later, _) in zip(times, times[1:], strict=False):
+    for (earlier, attempts), (later, _) in pairwise(times):
         # Never before its backoff; the 50 ms poll bounds how late it can be.
         waited = later - earlier
         expected = row_retry_delay(attempts, 0.2, 0.8)

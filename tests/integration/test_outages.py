@@ -97,7 +97,7 @@ def test_postgres_down_at_start_then_up(stream, start_relay):
     with throwaway_postgres(started=False) as pg:
         relay = start_relay(database_url=pg.url, wait_ready=False)
         wait_until(lambda: relay.get("/readyz")[0] == 503, message="503 while Postgres is down")
-        status, body = relay.get("/readyz")
+        _, body = relay.get("/readyz")
         assert "Postgres is unreachable" in body
         pg.start()
         database.install(pg.url)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from dataclasses import dataclass
@@ -75,10 +76,8 @@ class TestStream:
 
     def delete(self, name: str | None = None) -> None:
         async def action(js: Any) -> None:
-            try:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
                 await js.delete_stream(name or self.name)
-            except nats.js.errors.NotFoundError:
-                pass
 
         run_js(self.url, action)
 

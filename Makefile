@@ -1,0 +1,34 @@
+# The two commands of the README, and the checks behind them. Each target sets up
+# what it needs: a virtual environment in the checkout, with the project and its
+# development tools installed from pyproject.toml.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: test lint typecheck unit demo clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check relay tests
+	$(BIN)/ruff format --check relay tests
+
+typecheck: $(BIN)/.installed
+	$(BIN)/mypy
+
+unit: $(BIN)/.installed
+	$(BIN)/python -m pytest tests/unit
+
+# The whole suite: lint, types, unit, integration (the machine's Postgres and NATS,
+# started here if they are down) and faults (throwaway servers the tests start).
+test: lint typecheck
+	tests/ensure-services.sh
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

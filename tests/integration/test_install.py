@@ -1,0 +1,193 @@
+"""`outbox-relay install` / `uninstall` against a real database, and the claim plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import psycopg
+import pytest
+
+from relay.config import Config
+from relay.sqlfiles import Names, query
+from tests.support import database
+from tests.support.servers import SHARED_PG_URL
+
+pytestmark = pytest.mark.integration
+
+CATALOG = """
+select 'column', attname || ' ' || format_type(atttypid, atttypmod) || ' ' || attnotnull
+  from pg_attribute
+ where attrelid = 'outbox_events'::regclass and attnum > 0 and not attisdropped
+union all
+select 'index', pg_get_indexdef(indexrelid) from pg_index where indrelid = 'outbox_events'::regclass
+union all
+select 'trigger', pg_get_triggerdef(oid) from pg_trigger
+ where tgrelid = 'outbox_events'::regclass and not tgisinternal
+union all
+select 'function', pg_get_functiondef(p.oid) from pg_proc p
+ where proname like 'outbox_events_relay%%'
+order by 1, 2
+"""
+
+
+def cli(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relay", *args],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+        env={"OUTBOX_RELAY_DATABASE_URL": url, "PATH": "/usr/bin:/bin"},
+    )
+
+
+@pytest.fixture
+def empty_db():
+    url = database.create_database(SHARED_PG_URL)
+    yield url
+    database.drop_database(SHARED_PG_URL, url)
+
+
+def test_install_twice_changes_nothing(empty_db):
+    assert cli("install", url=empty_db).returncode == 0
+    first = database.fetch(empty_db, CATALOG)
+    assert cli("install", url=empty_db).returncode == 0
+    assert database.fetch(empty_db, CATALOG) == first
+    kinds = {kind for kind, _ in first}
+    assert kinds == {"column", "index", "trigger", "function"}
+    columns = [c for k, c in first if k == "column"]
+    assert "published_at timestamp with time zone false" in columns
+    assert "attempts integer true" in columns
+    assert "relay_retry_at timestamp with time zone false" in columns
+    indexes = " ".join(c for k, c in first if k == "index")
+    assert (
+        "CREATE INDEX outbox_events_unpublished_idx ON public.outbox_events USING btree "
+        "(created_at) WHERE (published_at IS NULL)"
+    ) in indexes
+
+
+def test_install_keeps_an_existing_table_and_its_rows(empty_db):
+    database.execute(
+        empty_db,
+        """create table outbox_events (
+        id uuid primary key, event_type text not null, source text not null,
+        subject text not null, time timestamptz not null, data jsonb not null,
+        created_at timestamptz not null default now(), published_at timestamptz null,
+        attempts int not null default 0)""",
+    )
+    database.execute(
+        empty_db,
+        "insert into outbox_events (id, event_type, source, subject, time, "
+        "data) values (gen_random_uuid(), 'a', 'b', 'c', now(), '{}')",
+    )
+    assert cli("install", url=empty_db).returncode == 0
+    assert database.fetch(empty_db, "select count(*), max(relay_retry_at) from outbox_events") == [
+        (1, None)
+    ]
+
+
+def test_uninstall_removes_only_what_the_relay_added(empty_db):
+    assert cli("install", url=empty_db).returncode == 0
+    database.insert(empty_db, [database.Event("a.b", "s")])
+    result = cli("uninstall", url=empty_db)
+    assert result.returncode == 0, result.stderr
+    kinds = {kind for kind, _ in database.fetch(empty_db, CATALOG)}
+    assert kinds == {"column", "index"}
+    assert database.fetch(empty_db, "select count(*) from outbox_events") == [(1,)]
+    indexes = [
+        name
+        for (name,) in database.fetch(
+            empty_db, "select indexname from pg_indexes where tablename = 'outbox_events'"
+        )
+    ]
+    assert sorted(indexes) == ["outbox_events_pkey", "outbox_events_unpublished_idx"]
+    assert cli("uninstall", url=empty_db).returncode == 0  # idempotent too
+
+
+def test_print_writes_sql_and_touches_nothing(empty_db):
+    result = cli("install", "--print", url=empty_db)
+    assert result.returncode == 0
+    assert 'create table if not exists "outbox_events"' in result.stdout
+    assert "pg_notify('outbox_events', '')" in result.stdout
+    assert database.fetch(empty_db, "select to_regclass('outbox_events')") == [(None,)]
+    # What --print shows is what install runs.
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute(result.stdout)
+    assert cli("install", url=empty_db).returncode == 0
+
+
+def test_install_in_a_schema_with_a_custom_table_and_channel(empty_db):
+    database.execute(empty_db, "create schema billing")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relay",
+            "install",
+            "--table",
+            "billing.events",
+            "--channel",
+            "billing_wake",
+        ],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+        env={"OUTBOX_RELAY_DATABASE_URL": empty_db, "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("listen billing_wake")
+        conn.execute(
+            "insert into billing.events (id, event_type, source, subject, time, data) "
+            "values (gen_random_uuid(), 'a', 'b', 'c', now(), '{}')"
+        )
+        assert [n.channel for n in conn.notifies(timeout=2, stop_after=1)] == ["billing_wake"]
+
+
+def test_install_reports_a_failure_in_one_line(empty_db):
+    bad = empty_db.replace("/relay_test_", "/no_such_db_")
+    result = cli("install", url=bad)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "install failed" in result.stderr
+
+
+def test_unknown_table_fails_at_start_with_one_clear_line(db_url):
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "run", "--table", "no_such_table", "--metrics-port", "0"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+        env={"OUTBOX_RELAY_DATABASE_URL": db_url, "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, result.stderr
+    assert "--table: table no_such_table does not exist" in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_claim_query_uses_the_partial_index_on_a_large_table(db_url):
+    with psycopg.connect(db_url) as conn:
+        conn.execute("""
+            insert into outbox_events (id, event_type, source, subject, time, data, created_at,
+                                       published_at)
+            select gen_random_uuid(), 'a.b', 's', 'e' || (g % 1000), now(), '{}',
+                   now() - (g || ' seconds')::interval,
+                   case when g > 2000 then now() end
+              from generate_series(1, 200000) g""")
+        conn.commit()
+        conn.execute("analyze outbox_events")
+        names = Names.for_config(Config())
+        plan = "\n".join(
+            line
+            for (line,) in conn.execute(
+                psycopg.sql.SQL("explain ") + query(names, "claim"),
+                {"batch_size": 500, "max_attempts": 20},
+            ).fetchall()
+        )
+    assert "outbox_events_unpublished_idx" in plan, plan
+    assert "Seq Scan on outbox_events o" not in plan, plan

@@ -1,0 +1,120 @@
+"""Configuration and the command line: values, precedence, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.cli import build_parser, main, parse
+from relay.config import (
+    RUN_OPTIONS,
+    Config,
+    build_config,
+    parse_duration,
+    parse_nats_urls,
+    parse_table_name,
+    redact_url,
+)
+from relay.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("250ms", 0.25), ("1.5", 1.5), ("30s", 30), ("5m", 300), ("2h", 7200), ("7d", 604800)],
+)
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "-1s", "1w", "s", "1 s s", "abc"])
+def test_bad_durations(text):
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration(text)
+
+
+def test_table_names():
+    assert parse_table_name("outbox_events") == ("outbox_events",)
+    assert parse_table_name("billing.outbox") == ("billing", "outbox")
+    for bad in ("a.b.c", "", "drop table x;", "1abc", 'a"b'):
+        with pytest.raises(ValueError, match="not a table name"):
+            parse_table_name(bad)
+
+
+def test_nats_urls_are_comma_separated():
+    assert parse_nats_urls("nats://a:4222, nats://b:4222") == ("nats://a:4222", "nats://b:4222")
+    with pytest.raises(ValueError, match="not a nats:// URL"):
+        parse_nats_urls("http://a:4222")
+    with pytest.raises(ValueError, match="bad port"):
+        parse_nats_urls("nats://a:99999")
+
+
+def test_redaction_hides_only_the_password():
+    assert redact_url("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert redact_url("postgresql://u@h/db") == "postgresql://u@h/db"
+    assert redact_url("nats://tok:sec@h:4222") == "nats://tok:***@h:4222"
+
+
+def test_flag_beats_environment_beats_default():
+    env = {"OUTBOX_RELAY_BATCH_SIZE": "100", "OUTBOX_RELAY_POLL_INTERVAL": "2s"}
+    config = build_config({"batch_size": "50"}, env, RUN_OPTIONS)
+    assert config.batch_size == 50
+    assert config.poll_interval == 2.0
+    assert config.publish_timeout == Config().publish_timeout
+
+
+def test_required_environment_variables_are_read():
+    env = {
+        "OUTBOX_RELAY_DATABASE_URL": "postgresql://db.example/x",
+        "OUTBOX_RELAY_NATS_URL": "nats://n1:4222,nats://n2:4222",
+        "OUTBOX_RELAY_METRICS_PORT": "9100",
+    }
+    _, config = parse(["run"], env)
+    assert config.database_url == "postgresql://db.example/x"
+    assert config.nats_urls == ("nats://n1:4222", "nats://n2:4222")
+    assert config.metrics_port == 9100
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        (["run", "--batch-size", "-5"], {}, "--batch-size"),
+        (["run", "--batch-size", "many"], {}, "--batch-size"),
+        (["run"], {"OUTBOX_RELAY_BATCH_SIZE": "0"}, "OUTBOX_RELAY_BATCH_SIZE"),
+        (["run", "--database-url", "mysql://x"], {}, "--database-url"),
+        (["run", "--nats-url", "localhost:4222"], {}, "--nats-url"),
+        (["run", "--metrics-port", "70000"], {}, "--metrics-port"),
+        (["run", "--poll-interval", "0s"], {}, "--poll-interval"),
+        (["run", "--table", "x;drop"], {}, "--table"),
+        (["run", "--log-format", "xml"], {}, "--log-format"),
+        (["run", "--failpoints", "crash-somewhere"], {}, "--failpoints"),
+        (["run", "--backoff-base", "10s", "--backoff-max", "1s"], {}, "--backoff-max"),
+    ],
+)
+def test_bad_values_fail_with_one_line_naming_the_option(capsys, argv, env, names):
+    assert main(argv, env) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"outbox-relay: error: {names}:")
+    assert "Traceback" not in err[0]
+
+
+def test_passwords_never_appear_in_config_errors(capsys):
+    assert main(["run", "--database-url", "mysql://u:hunter2@h/db"], {}) == 2
+    assert "hunter2" not in capsys.readouterr().err
+    assert main(["run", "--nats-url", "http://u:hunter2@h:4222"], {}) == 2
+    assert "hunter2" not in capsys.readouterr().err
+
+
+def test_help_shows_every_option_with_its_variable_and_default():
+    text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
+    flat = " ".join(text.split())
+    for option in RUN_OPTIONS:
+        assert option.flag in flat
+        assert option.env in flat
+    assert "default 500" in flat
+    assert "default 1s" in flat
+
+
+def test_config_error_names_the_option():
+    with pytest.raises(ConfigError) as caught:
+        build_config({"batch_size": "-1"}, {}, RUN_OPTIONS)
+    assert caught.value.option == "--batch-size"

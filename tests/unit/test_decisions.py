@@ -1,0 +1,245 @@
+"""The relay's decisions, as pure functions: no servers, no clock."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from relay.backoff import ReconnectBackoff, row_retry_delay
+from relay.envelope import MSG_ID_HEADER, build_message, rfc3339
+from relay.marks import decide_marks
+from relay.model import Acked, Failed, FailureReason, OutboxRow
+from relay.ordering import SubjectQueues, held_behind_blockers
+from relay.publishable import rejection, size_problem, subject_problem
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def row(
+    subject: str = "s",
+    *,
+    seconds: float = 0,
+    attempts: int = 0,
+    event_type: str = "a.b",
+    data: str = "{}",
+) -> OutboxRow:
+    return OutboxRow(
+        uuid.uuid4(),
+        event_type,
+        "src",
+        subject,
+        T0,
+        data,
+        T0 + timedelta(seconds=seconds),
+        attempts,
+    )
+
+
+class TestRowRetryDelay:
+    def test_doubles_from_the_base(self):
+        assert [row_retry_delay(n, 1.0, 300.0) for n in range(1, 7)] == [1, 2, 4, 8, 16, 32]
+
+    def test_is_capped(self):
+        assert row_retry_delay(9, 1.0, 300.0) == 256
+        assert row_retry_delay(10, 1.0, 300.0) == 300
+        assert row_retry_delay(10_000, 1.0, 300.0) == 300
+
+    def test_rejects_zero_attempts(self):
+        with pytest.raises(ValueError, match="starts at 1"):
+            row_retry_delay(0, 1.0, 300.0)
+
+
+def test_reconnect_backoff_grows_is_capped_and_resets():
+    backoff = ReconnectBackoff(initial=0.1, cap=2.0)
+    rng = random.Random(7)
+    delays = [backoff.next_delay(rng) for _ in range(12)]
+    assert all(0.05 <= d <= 2.0 for d in delays)
+    assert delays[-1] > 0.9  # near the cap, never above it
+    assert delays[0] <= 0.1
+    backoff.reset()
+    assert backoff.next_delay(rng) <= 0.1
+
+
+@pytest.mark.parametrize(
+    ("subject", "problem"),
+    [
+        ("billing.invoice.paid", None),
+        ("a", None),
+        ("ünïcode.ok", None),
+        ("a-b_c.d1", None),
+        ("", "empty"),
+        ("a b", "whitespace"),
+        ("a\tb", "whitespace"),
+        ("a\nb", "whitespace"),
+        ("a\x00b", "control"),
+        ("a.*", "wildcard"),
+        ("*", "wildcard"),
+        ("a.>", "wildcard"),
+        (">", "wildcard"),
+        ("a..b", "empty token"),
+        (".a", "empty token"),
+        ("a.", "empty token"),
+        ("$JS.API.INFO", "reserved"),
+        ("$SYS.x", "reserved"),
+    ],
+)
+def test_subject_grammar(subject, problem):
+    found = subject_problem(subject)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert problem in found
+
+
+def test_size_limit_is_inclusive():
+    assert size_problem(1024, 1024) is None
+    assert "1025 bytes" in (size_problem(1025, 1024) or "")
+
+
+def test_rejection_reasons():
+    assert rejection("a b", 10, 100)[0] is FailureReason.INVALID_SUBJECT
+    assert rejection("a.b", 101, 100)[0] is FailureReason.TOO_LARGE
+    assert rejection("a.b", 100, 100) is None
+
+
+class TestEnvelope:
+    def test_cloudevents_fields_and_dedupe_header(self):
+        r = OutboxRow(
+            uuid.uuid4(),
+            "billing.paid",
+            "billing",
+            "invoice/1",
+            datetime(2026, 3, 4, 5, 6, 7, 890000, tzinfo=UTC),
+            '{"b": [1, 2], "a": "ü"}',
+            T0,
+            0,
+        )
+        message = build_message(r)
+        assert message.subject == "billing.paid"
+        assert message.headers == {MSG_ID_HEADER: str(r.id)}
+        assert json.loads(message.body) == {
+            "specversion": "1.0",
+            "id": str(r.id),
+            "type": "billing.paid",
+            "source": "billing",
+            "subject": "invoice/1",
+            "time": "2026-03-04T05:06:07.890000Z",
+            "datacontenttype": "application/json",
+            "data": {"b": [1, 2], "a": "ü"},
+        }
+
+    def test_time_is_converted_to_utc(self):
+        tz = datetime(2026, 1, 1, 12, tzinfo=UTC).astimezone().tzinfo
+        moment = datetime(2026, 1, 1, 12, tzinfo=UTC).astimezone(tz)
+        assert rfc3339(moment) == "2026-01-01T12:00:00Z"
+
+    @pytest.mark.parametrize(
+        "data", ["null", "3", '"text"', "[]", '{"k": "\\u0000 odd \\" quote"}']
+    )
+    def test_any_json_value_splices_into_valid_json(self, data):
+        body = json.loads(build_message(row(data=data)).body)
+        assert body["data"] == json.loads(data)
+
+    def test_wire_size_counts_headers_and_body(self):
+        message = build_message(row())
+        header_block = (
+            b"NATS/1.0\r\n"
+            + f"{MSG_ID_HEADER}: {message.headers[MSG_ID_HEADER]}\r\n".encode()
+            + b"\r\n"
+        )
+        assert message.wire_size == len(header_block) + len(message.body)
+
+
+class TestOrdering:
+    def test_rows_behind_an_outside_blocker_are_held(self):
+        a1, a2, b1 = row("a", seconds=1), row("a", seconds=3), row("b", seconds=2)
+        blockers = {"a": (T0 + timedelta(seconds=2), uuid.UUID(int=0))}
+        assert held_behind_blockers([a1, a2, b1], blockers) == {a2.id}
+
+    def test_ties_on_created_at_are_broken_by_id(self):
+        low, high = uuid.UUID(int=1), uuid.UUID(int=2)
+        first = OutboxRow(low, "t", "s", "a", T0, "{}", T0, 0)
+        second = OutboxRow(high, "t", "s", "a", T0, "{}", T0, 0)
+        assert held_behind_blockers([second], {"a": first.order_key}) == {high}
+        assert held_behind_blockers([first], {"a": second.order_key}) == set()
+
+    def test_waves_take_one_row_per_subject_in_order(self):
+        a1, a2, a3 = row("a", seconds=1), row("a", seconds=2), row("a", seconds=3)
+        b1, c1, c2 = row("b", seconds=1.5), row("c", seconds=0), row("c", seconds=9)
+        queues = SubjectQueues([a3, c2, b1, a1, c1, a2])
+        waves = []
+        while queues:
+            waves.append(queues.next_wave())
+        assert [set(w) for w in waves] == [{a1, b1, c1}, {a2, c2}, {a3}]
+
+    def test_stopping_a_subject_leaves_its_later_rows_unsent(self):
+        a1, a2, a3, b1, b2 = (
+            row("a", seconds=1),
+            row("a", seconds=2),
+            row("a", seconds=3),
+            row("b", seconds=1),
+            row("b", seconds=2),
+        )
+        queues = SubjectQueues([a1, a2, a3, b1, b2])
+        assert set(queues.next_wave()) == {a1, b1}
+        assert queues.stop("a") == [a2, a3]
+        assert queues.next_wave() == [b2]
+        assert not queues
+
+
+class TestMarks:
+    def decide(self, rows, results, max_attempts=5):
+        return decide_marks(
+            {r.id: r for r in rows},
+            results,
+            max_attempts=max_attempts,
+            backoff_base=1.0,
+            backoff_max=60.0,
+        )
+
+    def test_acked_rows_are_published_in_one_list(self):
+        a, b = row(), row()
+        marks = self.decide([a, b], {a.id: Acked(), b.id: Acked(duplicate=True)})
+        assert marks.published == [a.id, b.id]
+        assert marks.failed == []
+
+    def test_retryable_failure_counts_an_attempt_and_backs_off(self):
+        r = row(attempts=2)
+        marks = self.decide([r], {r.id: Failed(FailureReason.TIMEOUT, "slow")})
+        [mark] = marks.failed
+        assert (mark.attempts, mark.retry_delay) == (3, 4.0)
+        assert mark.error == "timeout: slow"
+        assert marks.newly_dead == []
+
+    def test_last_attempt_goes_dead(self):
+        r = row(attempts=4)
+        marks = self.decide([r], {r.id: Failed(FailureReason.DISCONNECTED, "gone")})
+        [mark] = marks.failed
+        assert (mark.attempts, mark.retry_delay) == (5, None)
+        assert [dead.id for dead, _ in marks.newly_dead] == [r.id]
+
+    @pytest.mark.parametrize(
+        "reason", [FailureReason.NO_STREAM, FailureReason.TOO_LARGE, FailureReason.INVALID_SUBJECT]
+    )
+    def test_permanent_failure_goes_to_the_cap_at_once(self, reason):
+        r = row()
+        marks = self.decide([r], {r.id: Failed(reason, "never")}, max_attempts=20)
+        [mark] = marks.failed
+        assert (mark.attempts, mark.retry_delay) == (20, None)
+        assert len(marks.newly_dead) == 1
+
+    def test_rows_without_a_result_are_untouched(self):
+        sent, unsent = row(), row()
+        marks = self.decide([sent, unsent], {sent.id: Acked()})
+        assert marks.published == [sent.id]
+        assert all(m.id != unsent.id for m in marks.failed)
+
+    def test_error_text_is_bounded(self):
+        r = row()
+        marks = self.decide([r], {r.id: Failed(FailureReason.OTHER, "x" * 5000)})
+        assert len(marks.failed[0].error) == 1000

@@ -1,0 +1,130 @@
+"""Small parts: SQL loading, health, HTTP answers, the wake-up, log lines."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import trio
+import trio.testing
+from psycopg import sql
+
+from relay.config import Config
+from relay.health import Health
+from relay.httpserver import HttpServer, parse_request_line
+from relay.logs import JsonFormatter, TextFormatter
+from relay.sqlfiles import (
+    Names,
+    install_script,
+    parse_named_blocks,
+    queries,
+    query,
+    uninstall_script,
+)
+from relay.wakeup import Wakeup
+
+
+def test_named_blocks():
+    text = "-- a comment\n-- name: one\nselect 1;\n\n-- name: two\n-- why\nselect 2;\n"
+    assert parse_named_blocks(text) == {"one": "select 1", "two": "-- why\nselect 2"}
+
+
+def test_every_query_composes_with_configured_identifiers():
+    names = Names.for_config(Config(table=("billing", "Outbox"), channel="Wake_Up"))
+    for name in queries():
+        text = query(names, name).as_string()
+        assert "{" not in text.replace("'{}'", "")
+    claim = query(names, "claim").as_string()
+    assert '"billing"."Outbox"' in claim
+    scripts = " ".join(s.as_string() for s in install_script(names))
+    assert "pg_notify('Wake_Up', '')" in scripts
+    assert '"Outbox_unpublished_idx"' in scripts
+    assert '"billing"."Outbox_relay_notify"()' in scripts
+    assert "drop table" not in uninstall_script(names).as_string().lower()
+
+
+def test_identifiers_are_quoted_not_formatted():
+    names = Names.for_config(Config(table=("outbox_events",)))
+    assert isinstance(names.table, sql.Identifier)
+    assert isinstance(names.channel, sql.Literal)
+
+
+def test_default_install_uses_the_contract_names():
+    scripts = " ".join(s.as_string() for s in install_script(Names.for_config(Config())))
+    assert 'create table if not exists "outbox_events"' in scripts
+    assert 'create index if not exists "outbox_events_unpublished_idx"' in scripts
+    assert "where published_at is null" in scripts
+
+
+@pytest.mark.parametrize(
+    ("health", "reason"),
+    [
+        (Health(database=True, listening=True, broker=True), None),
+        (Health(database=False, listening=True, broker=True), "Postgres is unreachable"),
+        (Health(database=True, listening=False, broker=True), "LISTEN connection is down"),
+        (Health(database=True, listening=True, broker=False), "NATS is not connected"),
+        (Health(database=True, listening=True, broker=True, stopping=True), "shutting down"),
+        (Health(setup_problem="no table"), "no table"),
+    ],
+)
+def test_readiness_reasons(health, reason):
+    assert health.not_ready_reason() == reason
+
+
+def test_http_routes():
+    server = HttpServer({"/readyz": lambda: (503, "text/plain", b"not ready: x\n")})
+    assert server.answer("GET", "/readyz").startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    assert server.answer("GET", "/readyz").endswith(b"\r\n\r\nnot ready: x\n")
+    assert server.answer("HEAD", "/readyz").endswith(b"\r\n\r\n")
+    assert server.answer("GET", "/nope").startswith(b"HTTP/1.1 404")
+    assert server.answer("POST", "/readyz").startswith(b"HTTP/1.1 405")
+    assert parse_request_line(b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n") == (
+        "GET",
+        "/metrics",
+    )
+    assert parse_request_line(b"garbage") is None
+
+
+def test_wakeup_coalesces_reasons_and_waits_on_a_virtual_clock():
+    async def main():
+        wakeup = Wakeup()
+        wakeup.set("notify")
+        wakeup.set("notify")
+        wakeup.set("poll")
+        assert await wakeup.wait() == {"notify", "poll"}
+        with trio.move_on_after(30) as scope:  # virtual: costs no real time
+            await wakeup.wait()
+        assert scope.cancelled_caught
+        async with trio.open_nursery() as nursery:
+
+            async def later():
+                await trio.sleep(5)
+                wakeup.set("reconnect")
+
+            nursery.start_soon(later)
+            start = trio.current_time()
+            assert await wakeup.wait() == {"reconnect"}
+            assert trio.current_time() - start == pytest.approx(5)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_json_log_lines_carry_fields():
+    record = logging.makeLogRecord(
+        {
+            "msg": "publish failed: %s",
+            "args": ("slow",),
+            "levelname": "WARNING",
+            "name": "relay",
+            "row_id": "r1",
+            "event_type": "a.b",
+            "reason": "timeout",
+        }
+    )
+    line = json.loads(JsonFormatter().format(record))
+    assert line["message"] == "publish failed: slow"
+    assert (line["row_id"], line["event_type"], line["reason"]) == ("r1", "a.b", "timeout")
+    text = TextFormatter().format(record)
+    assert "row_id=r1" in text
+    assert "reason=timeout" in text
