@@ -41,6 +41,7 @@ async def _connect_autocommit(conninfo: str) -> psycopg.AsyncConnection[Any]:
 async def _probe_or_break(conn: psycopg.AsyncConnection[Any], seconds: float) -> None:
     """asyncio side: ``select 1``. A connection that does not answer within
     ``seconds`` is broken on purpose, which makes the pending query fail at once."""
+
     def give_up() -> None:
         log.warning("LISTEN probe unanswered after %.1fs: dropping the connection", seconds)
         break_connection(conn)
