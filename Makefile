@@ -27,7 +27,7 @@ unit: $(BIN)/.installed
 # The whole suite: lint, types, unit, integration (the machine's Postgres and NATS,
 # started here if they are down) and faults (throwaway servers the tests start).
 test: lint typecheck
-	tests/ensure-services.sh
+	tests/ensure-environment.sh
 	$(BIN)/python -m pytest
 
 clean:

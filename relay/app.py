@@ -50,6 +50,7 @@ class Relay:
         )
         self._publisher_started = False
         self._publisher_done = trio.Event()
+        self.metrics.ready.set_function(lambda: 0.0 if self.health.not_ready_reason() else 1.0)
 
     def _broker_changed(self, connected: bool) -> None:
         self.health.broker = connected
@@ -75,7 +76,6 @@ class Relay:
 
     def readiness(self) -> tuple[int, str, bytes]:
         reason = self.health.not_ready_reason()
-        self.metrics.ready.set(0 if reason else 1)
         if reason:
             return 503, "text/plain", f"not ready: {reason}\n".encode()
         return 200, "text/plain", b"ready\n"

@@ -6,11 +6,12 @@ import argparse
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Mapping, Sequence
 
 import psycopg
 
-from relay import __version__, app, database, sqlfiles
+from relay import __version__, app, database, operator, sqlfiles
 from relay.config import RUN_OPTIONS, Config, Option, build_config, default_value, redact_url
 from relay.errors import ConfigError
 from relay.logs import setup_logging
@@ -19,12 +20,22 @@ log = logging.getLogger("relay")
 
 # The options each command takes; `run` takes them all.
 _SQL_OPTIONS = ("database_url", "table", "channel", "log_level", "log_format")
+_OPERATOR_OPTIONS = (*_SQL_OPTIONS, "max_attempts")
 
 
 def _options_for(command: str) -> tuple[Option, ...]:
     if command in ("install", "uninstall"):
         return tuple(o for o in RUN_OPTIONS if o.name in _SQL_OPTIONS)
+    if command in ("status", "requeue"):
+        return tuple(o for o in RUN_OPTIONS if o.name in _OPERATOR_OPTIONS)
     return RUN_OPTIONS
+
+
+def _uuid(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a uuid: {text!r}") from None
 
 
 def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
@@ -57,6 +68,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     uninstall.add_argument("--print", action="store_true", help="write the SQL to stdout instead")
     _add_options(uninstall, _options_for("uninstall"))
+    status = commands.add_parser(
+        "status", help="backlog per event type: unpublished, dead, oldest, attempts"
+    )
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_options(status, _options_for("status"))
+    requeue = commands.add_parser(
+        "requeue",
+        help="reset attempts and backoff of dead rows (a dry run unless --execute)",
+    )
+    requeue.add_argument(
+        "--id",
+        type=_uuid,
+        action="append",
+        default=[],
+        metavar="UUID",
+        help="an unpublished row to retry now (dead or backing off); repeatable",
+    )
+    requeue.add_argument(
+        "--event-type",
+        action="append",
+        default=[],
+        metavar="TYPE",
+        help="the dead rows of this event type; repeatable",
+    )
+    requeue.add_argument("--all-dead", action="store_true", help="every dead row")
+    requeue.add_argument(
+        "--execute",
+        action="store_true",
+        help="change the rows (without it, only show what would change)",
+    )
+    _add_options(requeue, _options_for("requeue"))
     return parser
 
 
@@ -95,6 +137,47 @@ def _sql_command(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _operator_command(args: argparse.Namespace, config: Config) -> int:
+    conninfo = database.connection_string(config.database_url)
+    try:
+        if args.command == "status":
+            backlog = operator.read_status(conninfo, config)
+            sys.stdout.write(
+                operator.status_json(backlog)
+                if args.json
+                else operator.render_status(backlog, config)
+            )
+            return 0
+        if not (args.id or args.event_type or args.all_dead):
+            print(
+                "outbox-relay: error: requeue needs --id, --event-type or --all-dead",
+                file=sys.stderr,
+            )
+            return 2
+        result = operator.requeue(
+            conninfo,
+            config,
+            ids=args.id,
+            event_types=args.event_type,
+            all_dead=args.all_dead,
+            execute=args.execute,
+        )
+    except psycopg.Error as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.error("%s failed on %s: %s", args.command, redact_url(config.database_url), message)
+        return 1
+    for row in result.matched:
+        print(
+            f"{row['id']}  {row['event_type'] or '(empty)'}  attempts={row['attempts']}  "
+            f"{row['last_error'] or ''}".rstrip()
+        )
+    if args.execute:
+        print(f"requeued {result.reset} rows")
+    else:
+        print(f"{len(result.matched)} rows would be requeued (dry run: add --execute)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
@@ -106,6 +189,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     setup_logging(config.log_level, config.log_format)
     if args.command in ("install", "uninstall"):
         return _sql_command(args, config)
+    if args.command in ("status", "requeue"):
+        return _operator_command(args, config)
     return app.run(config)
 
 

@@ -43,9 +43,29 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 200, 300, 400, 500, 1000, 2000)
 
 
+class BoundedLabel:
+    """Label values taken from table data (event types) are capped, so a producer bug
+    that invents types cannot blow up the relay's memory or Prometheus's series."""
+
+    OVERFLOW = "_other"
+
+    def __init__(self, limit: int = 500) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if len(self._seen) < self._limit:
+            self._seen.add(value)
+            return value
+        return self.OVERFLOW
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self.event_type = BoundedLabel()
         r = self.registry
         self.published = Counter(
             "outbox_relay_published",

@@ -193,14 +193,17 @@ class Publisher:
         for row_id, result in results.items():
             row = by_id[row_id]
             if isinstance(result, Acked):
-                self._metrics.published.labels(event_type=row.event_type).inc()
+                self._metrics.published.labels(
+                    event_type=self._metrics.event_type(row.event_type)
+                ).inc()
                 if result.duplicate:
                     self._metrics.duplicates.inc()
                 latency = (now - row.created_at).total_seconds()
                 self._metrics.publish_latency.observe(max(latency, 0.0))
             else:
                 self._metrics.publish_failures.labels(
-                    event_type=row.event_type, reason=result.reason.value
+                    event_type=self._metrics.event_type(row.event_type),
+                    reason=result.reason.value,
                 ).inc()
                 if row_id in dead:
                     continue  # logged once, below, as a dead row
@@ -216,7 +219,8 @@ class Publisher:
                 )
         for row, failure in marks.newly_dead:
             self._metrics.dead_marked.labels(
-                event_type=row.event_type, reason=failure.reason.value
+                event_type=self._metrics.event_type(row.event_type),
+                reason=failure.reason.value,
             ).inc()
             log.error(
                 "row is at the attempt cap and is left alone until requeued: %s",

@@ -88,3 +88,40 @@ select count(*) as unpublished,
          as oldest_age_seconds
   from {table}
  where published_at is null;
+
+-- name: status
+-- `outbox-relay status`: the backlog per event_type, from the partial index.
+select event_type,
+       count(*) as unpublished,
+       count(*) filter (where attempts >= %(max_attempts)s) as dead,
+       count(*) filter (where attempts < %(max_attempts)s and relay_retry_at > now())
+         as backing_off,
+       coalesce(extract(epoch from clock_timestamp() - min(created_at)), 0)::float8
+         as oldest_age_seconds,
+       max(attempts) as max_attempts,
+       (array_agg(relay_last_error order by created_at)
+          filter (where relay_last_error is not null))[1] as last_error
+  from {table}
+ where published_at is null
+ group by event_type
+ order by oldest_age_seconds desc, event_type;
+
+-- name: requeue_select
+-- Rows `outbox-relay requeue` would reset: unpublished, and dead or chosen by id.
+select id, event_type, attempts, relay_last_error
+  from {table}
+ where published_at is null
+   and (attempts > 0 or relay_retry_at is not null)
+   and (   id = any(%(ids)s)
+        or (%(all_dead)s and attempts >= %(max_attempts)s)
+        or (attempts >= %(max_attempts)s and event_type = any(%(event_types)s)))
+ order by created_at, id
+   for update;
+
+-- name: requeue_reset
+update {table}
+   set attempts = 0, relay_retry_at = null, relay_last_error = null
+ where id = any(%(ids)s) and published_at is null;
+
+-- name: wake_relays
+select pg_notify(%(channel)s, '');

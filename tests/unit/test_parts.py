@@ -14,6 +14,7 @@ from relay.config import Config
 from relay.health import Health
 from relay.httpserver import HttpServer, parse_request_line
 from relay.logs import JsonFormatter, TextFormatter
+from relay.metrics import BoundedLabel
 from relay.sqlfiles import (
     Names,
     install_script,
@@ -128,3 +129,15 @@ def test_json_log_lines_carry_fields():
     text = TextFormatter().format(record)
     assert "row_id=r1" in text
     assert "reason=timeout" in text
+
+
+def test_event_type_labels_are_bounded():
+    label = BoundedLabel(limit=2)
+    assert [label(v) for v in ("a", "b", "a", "c", "d", "b")] == [
+        "a",
+        "b",
+        "a",
+        "_other",
+        "_other",
+        "b",
+    ]
