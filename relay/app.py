@@ -40,6 +40,15 @@ class Relay:
         self.stopping = trio.Event()
         self.database = Database(config)
         self.broker = Broker(config.nats_urls, self._broker_changed)
+        self.listener = Listener(
+            conninfo=self.database.conninfo,
+            names=self.database.names,
+            channel=config.channel,
+            keepalive=config.listen_keepalive,
+            wakeup=self.wakeup,
+            health=self.health,
+            metrics=self.metrics,
+        )
         self.publisher = Publisher(
             config=config,
             database=self.database,
@@ -47,6 +56,7 @@ class Relay:
             metrics=self.metrics,
             health=self.health,
             wakeup=self.wakeup,
+            listener=self.listener,
         )
         self._publisher_started = False
         self._publisher_done = trio.Event()
@@ -147,16 +157,8 @@ class Relay:
 
     def _start_tasks(self, nursery: trio.Nursery) -> None:
         config = self.config
-        listener = Listener(
-            conninfo=self.database.conninfo,
-            channel=config.channel,
-            keepalive=config.listen_keepalive,
-            wakeup=self.wakeup,
-            health=self.health,
-            metrics=self.metrics,
-        )
         nursery.start_soon(self._connect_broker)
-        nursery.start_soon(listener.run)
+        nursery.start_soon(self.listener.run)
         nursery.start_soon(self._poll)
         nursery.start_soon(run_gauges, config, self.database, self.metrics)
         nursery.start_soon(run_retention, config, self.database, self.metrics)

@@ -1,18 +1,26 @@
-"""The LISTEN task: a dedicated connection that turns notifications into wake-ups.
+"""The LISTEN task: a dedicated connection that turns notifications into wake-ups,
+and holds the sleep lock while the publisher sleeps.
 
 A notification is only a hint. What makes the relay correct is that it always
 re-reads the table: after every (re)connect it sweeps at once, because rows may
 have committed while nobody listened, and the poll timer covers anything else.
+
+The sleep lock (see ``sql/install/003_notify_trigger.sql``) lives on this
+connection on purpose: if the connection dies, the lock goes with it, producers
+stop notifying, and the reconnect sweep covers the gap, exactly as for a lost
+LISTEN.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from typing import Any
 
 import psycopg
+import psycopg.errors
 import trio
 from psycopg import sql
 
@@ -21,9 +29,35 @@ from relay.backoff import ReconnectBackoff
 from relay.database import break_connection
 from relay.health import Health
 from relay.metrics import Metrics
+from relay.sqlfiles import Names, query
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
+
+# How long the sleep lock may wait for producers in flight. While this connection
+# waits for a lock it cannot hear notifications (they are delivered afterwards), so
+# the wait is short; a producer transaction open for longer makes the publisher
+# claim again and retry, rather than sleep.
+SLEEP_LOCK_TIMEOUT_MS = 50
+
+
+class Sleep(enum.Enum):
+    """May the publisher sleep until it is notified?"""
+
+    SAFE = "safe"  # this relay holds the sleep lock: producers notify
+    SAFE_OTHER = "safe-other"  # another relay holds it: producers notify
+    BUSY = "busy"  # producers are in flight: claim again, then retry
+    DEAF = "deaf"  # no LISTEN connection: only the poll and the reconnect wake us
+
+
+# How the LISTEN connection shows in pg_stat_activity (the pool's say "outbox-relay").
+APPLICATION_NAME = "outbox-relay listen"
+
+
+async def _connect_autocommit(conninfo: str) -> psycopg.AsyncConnection[Any]:
+    return await psycopg.AsyncConnection.connect(
+        conninfo, autocommit=True, application_name=APPLICATION_NAME
+    )
 
 
 async def _wait_for_notification(conn: psycopg.AsyncConnection[Any], seconds: float) -> int:
@@ -32,10 +66,6 @@ async def _wait_for_notification(conn: psycopg.AsyncConnection[Any], seconds: fl
     async for _ in conn.notifies(timeout=seconds, stop_after=1):
         received += 1
     return received
-
-
-async def _connect_autocommit(conninfo: str) -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
 
 
 async def _probe_or_break(conn: psycopg.AsyncConnection[Any], seconds: float) -> None:
@@ -53,11 +83,22 @@ async def _probe_or_break(conn: psycopg.AsyncConnection[Any], seconds: float) ->
         watchdog.cancel()
 
 
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one real error in a race's exception group (the others are cancellations)."""
+    for leaf in group.exceptions:
+        if isinstance(leaf, BaseExceptionGroup):
+            return _first_error(leaf)
+        if not isinstance(leaf, trio.Cancelled):
+            return leaf
+    return group
+
+
 class Listener:
     def __init__(
         self,
         *,
         conninfo: str,
+        names: Names,
         channel: str,
         keepalive: float,
         wakeup: Wakeup,
@@ -65,6 +106,7 @@ class Listener:
         metrics: Metrics,
     ) -> None:
         self._conninfo = conninfo
+        self._names = names
         self._channel = channel
         self._keepalive = keepalive
         # A probe that takes this long means the connection is dead, even if the
@@ -73,6 +115,34 @@ class Listener:
         self._wakeup = wakeup
         self._health = health
         self._metrics = metrics
+        # The publisher's requests, carried out by this task on its connection.
+        self._want_sleep = False
+        self._holding = False
+        self._answer: trio.MemorySendChannel[Sleep] | None = None
+        self._poke = trio.Event()
+
+    # -- the publisher's side ---------------------------------------------------
+
+    async def prepare_sleep(self) -> Sleep:
+        """Ask for the sleep lock; returns once this task has tried."""
+        if not self._health.listening:
+            return Sleep.DEAF
+        send, receive = trio.open_memory_channel[Sleep](1)
+        self._answer, self._want_sleep = send, True
+        self._poke.set()
+        with trio.move_on_after(5):
+            async with receive:
+                return await receive.receive()
+        return Sleep.DEAF
+
+    def wake_up(self) -> None:
+        """The publisher is awake: let the lock go, so producers stop notifying."""
+        self._want_sleep = False
+        self._answer = None
+        if self._holding:
+            self._poke.set()
+
+    # -- the task ---------------------------------------------------------------
 
     async def run(self) -> None:
         backoff = ReconnectBackoff(initial=0.1, cap=5.0)
@@ -80,7 +150,7 @@ class Listener:
             try:
                 await self._listen_once(backoff)
             except (psycopg.Error, OSError, trio.TooSlowError) as exc:
-                reason = "probe timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
+                reason = "connect timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
                 log.warning("LISTEN connection lost: %s", reason.strip().splitlines()[0])
             self._set_state(up=False)
             await trio.sleep(backoff.next_delay())
@@ -89,21 +159,31 @@ class Listener:
         with trio.fail_after(10):
             conn: psycopg.AsyncConnection[Any] = await aio.call(_connect_autocommit, self._conninfo)
         try:
-            statement = sql.SQL("listen {}").format(sql.Identifier(self._channel))
             with trio.fail_after(self._probe_timeout):
-                await aio.call(conn.execute, statement)
+                await aio.call(
+                    conn.execute,
+                    "select set_config('lock_timeout', %s, false)",
+                    (f"{SLEEP_LOCK_TIMEOUT_MS}ms",),
+                )
+                await aio.call(
+                    conn.execute, sql.SQL("listen {}").format(sql.Identifier(self._channel))
+                )
             self._set_state(up=True)
             backoff.reset()
             log.info("listening on channel %s", self._channel)
             # Rows may have committed while no one listened: sweep now.
             self._wakeup.set("reconnect")
             while True:
-                if await aio.call(_wait_for_notification, conn, self._keepalive):
+                await self._serve_requests(conn)
+                outcome = await self._wait(conn)
+                if outcome == "notify":
                     self._wakeup.set("notify")
-                    continue
-                # Quiet for a whole keepalive: make sure the connection still works.
-                await self._probe(conn)
+                elif outcome == "quiet":
+                    # Quiet for a whole keepalive: make sure the connection still works.
+                    await aio.call(_probe_or_break, conn, self._probe_timeout)
         finally:
+            self._holding = False
+            self._answer_request(Sleep.DEAF)
             with (
                 trio.CancelScope(shield=True),
                 trio.move_on_after(2),
@@ -111,8 +191,53 @@ class Listener:
             ):
                 await aio.call(conn.close)
 
-    async def _probe(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        await aio.call(_probe_or_break, conn, self._probe_timeout)
+    async def _serve_requests(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self._poke = trio.Event()
+        if self._want_sleep and not self._holding and self._answer is not None:
+            self._answer_request(await self._take_sleep_lock(conn))
+        elif not self._want_sleep and self._holding:
+            await aio.call(conn.execute, query(self._names, "idle_unlock"))
+            self._holding = False
+
+    async def _take_sleep_lock(self, conn: psycopg.AsyncConnection[Any]) -> Sleep:
+        try:
+            await aio.call(conn.execute, query(self._names, "idle_lock"))
+        except psycopg.errors.LockNotAvailable:
+            cursor = await aio.call(conn.execute, query(self._names, "idle_sleeper"))
+            row = await aio.call(cursor.fetchone)
+            return Sleep.SAFE_OTHER if row and row[0] else Sleep.BUSY
+        self._holding = True
+        return Sleep.SAFE
+
+    def _answer_request(self, answer: Sleep) -> None:
+        channel, self._answer = self._answer, None
+        if channel is not None:
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
+                channel.send_nowait(answer)
+
+    async def _wait(self, conn: psycopg.AsyncConnection[Any]) -> str:
+        """Until a notification ("notify"), a request ("poke") or a quiet keepalive."""
+        outcome = "quiet"
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def notifications() -> None:
+                    nonlocal outcome
+                    if await aio.call(_wait_for_notification, conn, self._keepalive):
+                        outcome = "notify"
+                    nursery.cancel_scope.cancel()
+
+                async def requests() -> None:
+                    nonlocal outcome
+                    await self._poke.wait()
+                    outcome = "poke"
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(notifications)
+                nursery.start_soon(requests)
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        return outcome
 
     def _set_state(self, *, up: bool) -> None:
         self._health.listening = up

@@ -122,6 +122,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.sleeps = Counter(
+            "outbox_relay_sleeps",
+            "Times the publisher drained the table and slept until woken",
+            registry=r,
+        )
         self.retention_deleted = Counter(
             "outbox_relay_retention_deleted", "Spent rows deleted by retention", registry=r
         )

@@ -22,6 +22,7 @@ from relay.envelope import Message, build_message
 from relay.errors import DatabaseUnavailable, RelayError
 from relay.failpoints import Failpoints
 from relay.health import Health
+from relay.listener import Listener, Sleep
 from relay.marks import Marks, decide_marks
 from relay.metrics import Metrics
 from relay.model import Acked, Failed, OutboxRow, PublishResult
@@ -35,6 +36,10 @@ log = logging.getLogger(__name__)
 # that takes longer is stuck on a connection that died without telling anyone (a
 # blackholed path): it is abandoned, rolled back by the server, and retried.
 DATABASE_BUDGET = 15.0
+
+# How soon to claim again when producers were mid-transaction as the publisher
+# tried to sleep (they may have skipped their notify).
+SLEEP_RETRY = 0.02
 
 # When every claimed row had to wait for another relay's batch, try again after this
 # long rather than at once: the other batch is done within publish_timeout, and
@@ -62,6 +67,7 @@ class Publisher:
         metrics: Metrics,
         health: Health,
         wakeup: Wakeup,
+        listener: Listener,
     ) -> None:
         self._config = config
         self._db = database
@@ -69,28 +75,56 @@ class Publisher:
         self._metrics = metrics
         self._health = health
         self._wakeup = wakeup
+        self._listener = listener
         self._failpoints = Failpoints(config.failpoints)
         self.heartbeat = 0.0
 
     async def run(self, stopping: trio.Event) -> None:
-        """Wait for a wake-up, drain, repeat, until ``stopping`` is set. A stop
-        request interrupts the wait, never a batch in flight."""
-        while not stopping.is_set():
-            self.heartbeat = trio.current_time()
-            reasons = await self._wakeup.wait()
-            for reason in reasons & {"notify", "poll", "reconnect"}:
-                self._metrics.wakeups.labels(reason=reason).inc()
-            await self.drain(stopping)
+        """Drain, then sleep until woken, until ``stopping`` is set. A stop request
+        interrupts a sleep, never a batch in flight.
 
-    async def drain(self, stopping: trio.Event) -> None:
-        """Claim passes until the backlog is empty, riding out database errors."""
+        Before it sleeps the publisher takes the sleep lock, which waits out every
+        producer that skipped its notify, and claims once more: anything committed
+        before the lock is found now, anything after it notifies."""
+        while not stopping.is_set():
+            await self.drain(stopping)
+            if stopping.is_set() or self._wakeup.pending:
+                self._count(self._wakeup.take())
+                continue
+            sleep = await self._listener.prepare_sleep()
+            if sleep in (Sleep.SAFE, Sleep.SAFE_OTHER):
+                if await self.drain(stopping):
+                    self._listener.wake_up()  # rows came in: not asleep after all
+                    continue
+                self._metrics.sleeps.inc()
+                reasons = await self._wakeup.wait()
+            elif sleep is Sleep.BUSY:
+                # Producers are mid-transaction and may have skipped their notify:
+                # claim again shortly instead of sleeping through their commit.
+                with trio.move_on_after(SLEEP_RETRY):
+                    await self._wakeup.wait_pending()
+                reasons = self._wakeup.take()
+            else:
+                reasons = await self._wakeup.wait()
+            self._listener.wake_up()
+            self._count(reasons)
+
+    def _count(self, reasons: frozenset[str]) -> None:
+        self.heartbeat = trio.current_time()
+        for reason in reasons & {"notify", "poll", "reconnect"}:
+            self._metrics.wakeups.labels(reason=reason).inc()
+
+    async def drain(self, stopping: trio.Event) -> int:
+        """Claim passes until the backlog is empty, riding out database errors; the
+        number of rows claimed."""
+        claimed = 0
         backoff = ReconnectBackoff(initial=0.2, cap=10.0)
         while not stopping.is_set():
             self.heartbeat = trio.current_time()
             if not self._broker.connected:
                 # Nothing to publish to: leave the rows alone rather than burn their
                 # attempts. The reconnect callback wakes the loop again.
-                return
+                return claimed
             failure: RelayError | None = None
             try:
                 with trio.fail_after(self._config.publish_timeout + DATABASE_BUDGET):
@@ -110,13 +144,15 @@ class Publisher:
                 continue
             self._health.database = True
             backoff.reset()
+            claimed += result.claimed
             if result.more_work_likely(self._config.batch_size):
                 continue
             if result.held and not result.settled:
                 with trio.move_on_after(CONTENTION_PAUSE):
                     await stopping.wait()
                 continue
-            return
+            return claimed
+        return claimed
 
     async def run_pass(self) -> PassResult:
         config = self._config

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+import zlib
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -58,6 +59,18 @@ def install_files() -> list[str]:
     return [read_sql("install", name) for name in names]
 
 
+# The relay's advisory locks use the two-key form: this first key marks them as
+# the relay's, the second is derived from the table and channel, so relays of two
+# outbox tables in one database do not share a sleep lock.
+IDLE_LOCK_CLASS = 0x0B0E
+
+
+def idle_lock_key(config: Config) -> int:
+    """A stable non-negative int4 (pg_locks shows keys as unsigned oids)."""
+    text = f"{config.table_display}\0{config.channel}".encode()
+    return zlib.crc32(text) & 0x7FFFFFFF
+
+
 @dataclass(frozen=True)
 class Names:
     """The database objects of one relay installation, as composable SQL."""
@@ -71,7 +84,13 @@ class Names:
     notify_function: sql.Identifier
     notify_trigger: sql.Identifier
     channel: sql.Literal
+    idle_lock_key1: sql.Literal
+    idle_lock_key2: sql.Literal
     trigger_name: str
+
+    @property
+    def idle_lock(self) -> sql.Composed:
+        return sql.SQL("{}, {}").format(self.idle_lock_key1, self.idle_lock_key2)
 
     @classmethod
     def for_config(cls, config: Config) -> Names:
@@ -87,6 +106,8 @@ class Names:
             notify_function=sql.Identifier(*schema, f"{base}_relay_notify"),
             notify_trigger=sql.Identifier(f"{base}_relay_notify"),
             channel=sql.Literal(config.channel),
+            idle_lock_key1=sql.Literal(IDLE_LOCK_CLASS),
+            idle_lock_key2=sql.Literal(idle_lock_key(config)),
             trigger_name=f"{base}_relay_notify",
         )
 
@@ -101,6 +122,9 @@ class Names:
             notify_function=self.notify_function,
             notify_trigger=self.notify_trigger,
             channel=self.channel,
+            idle_lock=self.idle_lock,
+            idle_lock_key1=self.idle_lock_key1,
+            idle_lock_key2=self.idle_lock_key2,
         )
 
 

@@ -18,9 +18,21 @@ class Wakeup:
         self._reasons.add(reason)
         self._event.set()
 
-    async def wait(self) -> frozenset[str]:
+    @property
+    def pending(self) -> bool:
+        return self._event.is_set()
+
+    async def wait_pending(self) -> None:
+        """Until a wake-up is pending, without taking it."""
         await self._event.wait()
+
+    def take(self) -> frozenset[str]:
+        """The reasons pending now (maybe none), cleared."""
         reasons = frozenset(self._reasons)
         self._reasons.clear()
         self._event = trio.Event()
         return reasons
+
+    async def wait(self) -> frozenset[str]:
+        await self._event.wait()
+        return self.take()

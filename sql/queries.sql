@@ -125,3 +125,21 @@ update {table}
 
 -- name: wake_relays
 select pg_notify(%(channel)s, '');
+
+-- name: idle_lock
+-- Run on the LISTEN connection, with lock_timeout set: wait for every producer
+-- that skipped its notify to finish, then hold the lock while asleep.
+select pg_advisory_lock({idle_lock});
+
+-- name: idle_unlock
+select pg_advisory_unlock({idle_lock});
+
+-- name: idle_sleeper
+-- Another relay asleep (holding the lock exclusively) makes producers notify, so
+-- this relay may sleep too. Two-key advisory locks show as objsubid 2.
+select count(*)
+  from pg_locks
+ where locktype = 'advisory' and database = (select oid from pg_database
+                                             where datname = current_database())
+   and (classid, objid, objsubid) = ({idle_lock_key1}::oid, {idle_lock_key2}::oid, 2)
+   and mode = 'ExclusiveLock' and granted and pid <> pg_backend_pid();

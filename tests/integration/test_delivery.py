@@ -213,7 +213,7 @@ def test_listen_backend_terminated_reconnects_and_sweeps(db_url, stream, start_r
     database.execute(
         db_url,
         "select pg_terminate_backend(pid) from pg_stat_activity "
-        "where datname = current_database() and query ilike 'listen%%'",
+        "where datname = current_database() and application_name = 'outbox-relay listen'",
     )
     wait_until(
         lambda: relay.metric("outbox_relay_wakeups_total", reason="reconnect") >= 2,

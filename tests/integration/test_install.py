@@ -137,12 +137,18 @@ def test_install_in_a_schema_with_a_custom_table_and_channel(empty_db):
         env={"OUTBOX_RELAY_DATABASE_URL": empty_db, "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr
+    names = Names.for_config(Config(table=("billing", "events"), channel="billing_wake"))
+    insert = (
+        "insert into billing.events (id, event_type, source, subject, time, data) "
+        "values (gen_random_uuid(), 'a', 'b', 'c', now(), '{}')"
+    )
     with psycopg.connect(empty_db, autocommit=True) as conn:
         conn.execute("listen billing_wake")
-        conn.execute(
-            "insert into billing.events (id, event_type, source, subject, time, data) "
-            "values (gen_random_uuid(), 'a', 'b', 'c', now(), '{}')"
-        )
+        conn.execute(insert)  # no relay asleep: no notification
+        assert list(conn.notifies(timeout=0.3, stop_after=1)) == []
+        conn.execute(query(names, "idle_lock"))  # as a relay does before it sleeps
+        # A producer is another session (a session never conflicts with its own locks).
+        database.execute(empty_db, insert)
         assert [n.channel for n in conn.notifies(timeout=2, stop_after=1)] == ["billing_wake"]
 
 
