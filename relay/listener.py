@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # waits for a lock it cannot hear notifications (they are delivered afterwards), so
 # the wait is short; a producer transaction open for longer makes the publisher
 # claim again and retry, rather than sleep.
-SLEEP_LOCK_TIMEOUT_MS = 50
+SLEEP_LOCK_TIMEOUT_MS = 10
 
 
 class Sleep(enum.Enum):

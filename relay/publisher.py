@@ -38,8 +38,18 @@ log = logging.getLogger(__name__)
 DATABASE_BUDGET = 15.0
 
 # How soon to claim again when producers were mid-transaction as the publisher
-# tried to sleep (they may have skipped their notify).
-SLEEP_RETRY = 0.02
+# tried to sleep (they may have skipped their notify): at once, then after a pause
+# that doubles up to this while a long transaction keeps the sleep lock from us.
+SLEEP_RETRY_MAX = 0.02
+
+
+def sleep_retry_pause(busy_streak: int) -> float:
+    """Seconds to wait before claiming again after the ``busy_streak``-th failed try
+    in a row to take the sleep lock: 0, 1 ms, 2 ms, 4 ms, ... up to 20 ms."""
+    if busy_streak <= 1:
+        return 0.0
+    return min(0.001 * 2.0 ** min(busy_streak - 2, 30), SLEEP_RETRY_MAX)
+
 
 # When every claimed row had to wait for another relay's batch, try again after this
 # long rather than at once: the other batch is done within publish_timeout, and
@@ -86,12 +96,14 @@ class Publisher:
         Before it sleeps the publisher takes the sleep lock, which waits out every
         producer that skipped its notify, and claims once more: anything committed
         before the lock is found now, anything after it notifies."""
+        busy_streak = 0
         while not stopping.is_set():
             await self.drain(stopping)
             if stopping.is_set() or self._wakeup.pending:
                 self._count(self._wakeup.take())
                 continue
             sleep = await self._listener.prepare_sleep()
+            busy_streak = busy_streak + 1 if sleep is Sleep.BUSY else 0
             if sleep in (Sleep.SAFE, Sleep.SAFE_OTHER):
                 if await self.drain(stopping):
                     self._listener.wake_up()  # rows came in: not asleep after all
@@ -100,8 +112,9 @@ class Publisher:
                 reasons = await self._wakeup.wait()
             elif sleep is Sleep.BUSY:
                 # Producers are mid-transaction and may have skipped their notify:
-                # claim again shortly instead of sleeping through their commit.
-                with trio.move_on_after(SLEEP_RETRY):
+                # claim again soon instead of sleeping through their commit. The
+                # pause grows while one long transaction keeps the lock from us.
+                with trio.move_on_after(sleep_retry_pause(busy_streak)):
                     await self._wakeup.wait_pending()
                 reasons = self._wakeup.take()
             else:
