@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import psycopg
 
-from relay import __version__, app, database, operator, sqlfiles
+from relay import __version__, app, database, localservers, operator, sqlfiles
 from relay.config import RUN_OPTIONS, Config, Option, build_config, default_value, redact_url
 from relay.errors import ConfigError
 from relay.logs import setup_logging
@@ -99,6 +99,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="change the rows (without it, only show what would change)",
     )
     _add_options(requeue, _options_for("requeue"))
+    bench = commands.add_parser(
+        "bench",
+        help="measure the relay against Postgres and NATS floors and the plain poller",
+        description="Starts throwaway Postgres and NATS servers on loopback (unless "
+        "--database-url / --nats-url name servers to use: it creates and drops a database "
+        "and a stream of its own there) and prints every figure, with the targets.",
+    )
+    bench.add_argument("--database-url", help="a Postgres server to use instead of a throwaway one")
+    bench.add_argument("--nats-url", help="a NATS server to use instead of a throwaway one")
+    bench.add_argument("--quick", action="store_true", help="a few seconds, tiny sizes (CI)")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     return parser
 
 
@@ -178,9 +189,22 @@ def _operator_command(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from relay.bench.command import main as bench_main  # noqa: PLC0415 - only bench needs it
+
+    setup_logging("warning", "text")
+    try:
+        return bench_main(args.database_url, args.nats_url, args.quick, args.json)
+    except localservers.MissingServerBinary as exc:
+        print(f"outbox-relay bench: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
+    if argv[:1] == ["bench"]:
+        return _bench(build_parser().parse_args(argv))
     try:
         args, config = parse(argv, environ)
     except ConfigError as exc:

@@ -1,0 +1,363 @@
+"""Runs every measurement in one go and reports them against the targets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relay.bench import measure
+from relay.bench.harness import RelayProcess, Target, dumps, wait_until_ready
+from relay.bench.stats import Figure, percentile
+from relay.config import Config
+from relay.database import connection_string, install
+from relay.localservers import throwaway_nats, throwaway_postgres
+from relay.sqlfiles import Names
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How big each measurement is; --quick shrinks everything to seconds."""
+
+    repetitions: int = 3
+    floor_samples: int = 300
+    floor_rows: int = 50_000
+    latency_seconds: float = 5.0
+    drain_rows: int = 100_000
+    memory_rows: int = 1_000_000
+    plain_drain_rows: int = 10_000
+    cost_seconds: float = 5.0
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(1, 30, 2_000, 1.0, 3_000, 5_000, 500, 1.0)
+
+
+@dataclass
+class Report:
+    figures: dict[str, Figure] = field(default_factory=dict)
+
+    def add(self, key: str, name: str, unit: str, values: list[float]) -> Figure:
+        self.figures[key] = Figure(name, unit, tuple(values))
+        return self.figures[key]
+
+    def get(self, key: str) -> float:
+        return self.figures[key].median
+
+
+class Progress:
+    """One line on stderr that says what runs now."""
+
+    def __init__(self, total: int) -> None:
+        self._total = total
+        self._done = 0
+        self._started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        self._done += 1
+        elapsed = time.perf_counter() - self._started
+        sys.stderr.write(f"\r\033[K[{self._done}/{self._total}] {what} ({elapsed:.0f}s)")
+        sys.stderr.flush()
+        yield
+
+    def finish(self) -> None:
+        sys.stderr.write(f"\r\033[Kdone in {time.perf_counter() - self._started:.0f}s\n")
+
+
+async def _repeat(
+    plan: Plan, progress: Progress, what: str, fn: Callable[[], Awaitable[float]], reset: Target
+) -> list[float]:
+    values = []
+    for rep in range(plan.repetitions):
+        with progress.step(f"{what} ({rep + 1}/{plan.repetitions})"):
+            await reset.reset()
+            values.append(await fn())
+    return values
+
+
+async def _latency(
+    plan: Plan, progress: Progress, report: Report, target: Target, *, rate: float, plain: bool
+) -> None:
+    who = "plain" if plain else "relay"
+    p50, p99, worst = [], [], []
+    for rep in range(plan.repetitions):
+        with progress.step(
+            f"{who} end-to-end latency at {rate:g}/s ({rep + 1}/{plan.repetitions})"
+        ):
+            await target.reset()
+            samples = await measure.end_to_end(target, rate, plan.latency_seconds, plain=plain)
+            p50.append(percentile(samples, 0.5) * 1000)
+            p99.append(percentile(samples, 0.99) * 1000)
+            worst.append(max(samples) * 1000)
+    label = "plain poller" if plain else "relay"
+    report.add(
+        f"{who}_latency_{rate:g}_p50", f"{label}: commit to consumer at {rate:g}/s, p50", "ms", p50
+    )
+    report.add(
+        f"{who}_latency_{rate:g}_p99", f"{label}: commit to consumer at {rate:g}/s, p99", "ms", p99
+    )
+    report.add(
+        f"{who}_latency_{rate:g}_max",
+        f"{label}: commit to consumer at {rate:g}/s, max",
+        "ms",
+        worst,
+    )
+
+
+async def _producer_cost(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
+    names = Names.for_config(Config())
+    conninfo = connection_string(target.url)
+    results: dict[str, list[float]] = {"none": [], "relay": [], "plain": []}
+    async with RelayProcess(target.url, target.nats_url):
+        await wait_until_ready(target)
+        for rep in range(plan.repetitions):
+            for trigger in ("none", "relay", "plain"):
+                with progress.step(
+                    f"producer commits/s, {trigger} trigger ({rep + 1}/{plan.repetitions})"
+                ):
+                    await target.execute(
+                        "drop trigger if exists outbox_events_relay_notify on outbox_events"
+                    )
+                    if trigger == "relay":
+                        await asyncio.to_thread(install, conninfo, names)
+                    elif trigger == "plain":
+                        await target.execute(measure.PLAIN_NOTIFY_TRIGGER)
+                    results[trigger].append(
+                        await measure.producer_commits(target, plan.cost_seconds)
+                    )
+    await asyncio.to_thread(install, conninfo, names)  # leave the relay's trigger in place
+    report.add(
+        "commits_no_trigger", "producers, 8 writers, no trigger", "commits/s", results["none"]
+    )
+    report.add(
+        "commits_relay_trigger",
+        "producers, 8 writers, relay's trigger",
+        "commits/s",
+        results["relay"],
+    )
+    report.add(
+        "commits_plain_trigger",
+        "producers, 8 writers, plain pg_notify trigger",
+        "commits/s",
+        results["plain"],
+    )
+    report.add(
+        "producer_cost_ratio",
+        "producer cost ratio, relay's trigger / none",
+        "ratio",
+        [r / n for r, n in zip(results["relay"], results["none"], strict=True)],
+    )
+    report.add(
+        "plain_trigger_ratio",
+        "producer cost ratio, plain pg_notify / none",
+        "ratio",
+        [p / n for p, n in zip(results["plain"], results["none"], strict=True)],
+    )
+
+
+async def run_all(target: Target, plan: Plan) -> Report:
+    report = Report()
+    progress = Progress(total=plan.repetitions * 17 + 1)
+    r = plan.repetitions
+
+    report.add(
+        "wake_floor",
+        "floor: LISTEN wake-up, commit to listener",
+        "ms",
+        [
+            percentile(v, 0.5) * 1000
+            for v in [
+                await _one(
+                    progress,
+                    f"LISTEN wake-up floor ({i + 1}/{r})",
+                    measure.wake_floor(target, plan.floor_samples),
+                )
+                for i in range(r)
+            ]
+        ],
+    )
+    report.add(
+        "publish_floor",
+        "floor: JetStream publish to ack",
+        "ms",
+        [
+            percentile(v, 0.5) * 1000
+            for v in [
+                await _one(
+                    progress,
+                    f"publish-to-ack floor ({i + 1}/{r})",
+                    measure.publish_floor(target, plan.floor_samples),
+                )
+                for i in range(r)
+            ]
+        ],
+    )
+    report.add(
+        "claim_mark_rate",
+        "floor: claim and mark, no broker",
+        "rows/s",
+        await _repeat(
+            plan,
+            progress,
+            "claim-and-mark floor",
+            lambda: measure.claim_and_mark_rate(target, plan.floor_rows),
+            target,
+        ),
+    )
+    report.add(
+        "publish_rate",
+        "floor: pipelined JetStream publish, no database",
+        "msgs/s",
+        await _repeat(
+            plan,
+            progress,
+            "pipelined publish floor",
+            lambda: measure.publish_rate(target, plan.floor_rows),
+            target,
+        ),
+    )
+    for rate in (100.0, 1000.0):
+        await _latency(plan, progress, report, target, rate=rate, plain=False)
+    report.add(
+        "drain_rate",
+        f"relay: drain a {plan.drain_rows:,}-row backlog",
+        "rows/s",
+        await _repeat(
+            plan,
+            progress,
+            "relay drain",
+            lambda: measure.drain_rate(target, plan.drain_rows),
+            target,
+        ),
+    )
+    with progress.step(f"relay peak memory draining {plan.memory_rows:,} rows"):
+        await target.reset()
+        report.add(
+            "drain_memory",
+            f"relay: peak RSS draining {plan.memory_rows:,} rows",
+            "MiB",
+            [await measure.drain_memory(target, plan.memory_rows)],
+        )
+    await _producer_cost(plan, progress, report, target)
+    report.add(
+        "plain_drain_rate",
+        f"plain poller: drain a {plan.plain_drain_rows:,}-row backlog",
+        "rows/s",
+        await _repeat(
+            plan,
+            progress,
+            "plain poller drain",
+            lambda: measure.drain_rate(target, plan.plain_drain_rows, plain=True),
+            target,
+        ),
+    )
+    await _latency(plan, progress, report, target, rate=100.0, plain=True)
+    progress.finish()
+    return report
+
+
+async def _one(progress: Progress, what: str, job: Awaitable[list[float]]) -> list[float]:
+    with progress.step(what):
+        return await job
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    measured: float
+    bound: float
+    met: bool
+
+
+def verdicts(report: Report) -> list[Verdict]:
+    """The issue's targets, as ratios inside this one run."""
+    floor = min(report.get("claim_mark_rate"), report.get("publish_rate"))
+    wake_publish = report.get("wake_floor") + report.get("publish_floor")
+    drain = report.get("drain_rate")
+    checks = [
+        ("drain >= 0.8 x the lower raw floor", drain, 0.8 * floor, drain >= 0.8 * floor),
+        (
+            "drain >= 8 x the plain poller",
+            drain,
+            8 * report.get("plain_drain_rate"),
+            drain >= 8 * report.get("plain_drain_rate"),
+        ),
+        (
+            "p50 at 100/s <= 2 x (wake + publish floors)",
+            report.get("relay_latency_100_p50"),
+            2 * wake_publish,
+            report.get("relay_latency_100_p50") <= 2 * wake_publish,
+        ),
+        (
+            "p99 at 100/s <= 5 x (wake + publish floors)",
+            report.get("relay_latency_100_p99"),
+            5 * wake_publish,
+            report.get("relay_latency_100_p99") <= 5 * wake_publish,
+        ),
+        (
+            "producer cost ratio >= 0.9 at 8 writers",
+            report.get("producer_cost_ratio"),
+            0.9,
+            report.get("producer_cost_ratio") >= 0.9,
+        ),
+        (
+            "peak memory draining < 150 MiB",
+            report.get("drain_memory"),
+            150.0,
+            report.get("drain_memory") < 150.0,
+        ),
+    ]
+    return [Verdict(name, measured, bound, met) for name, measured, bound, met in checks]
+
+
+def render(report: Report, plan: Plan) -> str:
+    lines = [f"outbox-relay bench: {plan.repetitions} repetition(s); median [min - max]", ""]
+    width = max(len(f.name) for f in report.figures.values())
+    for figure in report.figures.values():
+        fmt = "{:,.0f}" if figure.median >= 100 else "{:.2f}"
+        lines.append(
+            f"{figure.name:<{width}}  {fmt.format(figure.median):>10} {figure.unit:<9}"
+            f" [{fmt.format(figure.low)} - {fmt.format(figure.high)}]"
+        )
+    lines += ["", "targets:"]
+    for v in verdicts(report):
+        mark = "met    " if v.met else "NOT MET"
+        lines.append(f"  {mark} {v.target}: {v.measured:,.2f} vs {v.bound:,.2f}")
+    return "\n".join(lines) + "\n"
+
+
+async def bench(database_url: str | None, nats_url: str | None, plan: Plan) -> Report:
+    with contextlib.ExitStack() as servers:
+        if database_url is None:
+            pg = servers.enter_context(throwaway_postgres(durable=True))
+            database_url = pg.url
+        if nats_url is None:
+            nats_url = servers.enter_context(throwaway_nats()).url
+        target = Target(database_url, nats_url)
+        await target.create()
+        try:
+            return await run_all(target, plan)
+        finally:
+            await target.drop()
+
+
+def main(database_url: str | None, nats_url: str | None, quick: bool, json_path: str | None) -> int:
+    plan = Plan.quick() if quick else Plan()
+    # A plain asyncio loop: importing relay installs trio-asyncio's loop policy, which
+    # the relay needs in its own process but the benchmark's client side does not.
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        report = runner.run(bench(database_url, nats_url, plan))
+    sys.stdout.write(render(report, plan))
+    if json_path:
+        document = {
+            "plan": plan.__dict__,
+            "figures": {key: f.as_dict() for key, f in report.figures.items()},
+            "targets": [v.__dict__ for v in verdicts(report)],
+        }
+        Path(json_path).write_text(dumps(document) + "\n")
+    return 0

@@ -1,0 +1,239 @@
+"""What every measurement needs: a database and a stream of its own, producers,
+a consumer that timestamps arrivals, and the relay as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import psycopg
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from relay.config import Config
+from relay.database import connection_string, install
+from relay.sqlfiles import Names
+
+INSERT = (
+    "insert into outbox_events (id, event_type, source, subject, time, data) "
+    "values (%s, %s, 'bench', %s, now(), %s)"
+)
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{name}"))
+
+
+@dataclass
+class Target:
+    """A database with the relay installed, and a stream capturing ``prefix.>``."""
+
+    server_url: str
+    nats_url: str
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    @property
+    def database(self) -> str:
+        return f"outbox_bench_{self.token}"
+
+    @property
+    def url(self) -> str:
+        return with_database(self.server_url, self.database)
+
+    @property
+    def prefix(self) -> str:
+        return f"bench{self.token}"
+
+    @property
+    def stream(self) -> str:
+        return f"BENCH{self.token.upper()}"
+
+    @property
+    def event_type(self) -> str:
+        return f"{self.prefix}.created"
+
+    async def create(self) -> None:
+        async with await psycopg.AsyncConnection.connect(self.server_url, autocommit=True) as c:
+            await c.execute(f'create database "{self.database}"')
+        await asyncio.to_thread(install, connection_string(self.url), Names.for_config(Config()))
+        nc = await nats.connect(self.nats_url)
+        try:
+            await nc.jetstream().add_stream(name=self.stream, subjects=[f"{self.prefix}.>"])
+        finally:
+            await nc.close()
+
+    async def drop(self) -> None:
+        with contextlib.suppress(Exception):
+            nc = await nats.connect(self.nats_url)
+            try:
+                await nc.jetstream().delete_stream(self.stream)
+            finally:
+                await nc.close()
+        async with await psycopg.AsyncConnection.connect(self.server_url, autocommit=True) as c:
+            await c.execute(f'drop database if exists "{self.database}" with (force)')
+
+    async def reset(self) -> None:
+        """Empty the table and the stream between measurements."""
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
+            await c.execute("truncate outbox_events")
+        nc = await nats.connect(self.nats_url)
+        try:
+            await nc.jetstream().purge_stream(self.stream)
+        finally:
+            await nc.close()
+
+    async def execute(self, statement: str, params: tuple[Any, ...] = ()) -> None:
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
+            await c.execute(statement, params)
+
+    async def unpublished(self) -> int:
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
+            cur = await c.execute("select count(*) from outbox_events where published_at is null")
+            row = await cur.fetchone()
+            return int(row[0]) if row else 0
+
+    async def fill(self, rows: int, subjects: int = 1000) -> None:
+        """A backlog of ``rows`` committed rows, inserted without notifying anyone."""
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
+            for start in range(0, rows, 100_000):
+                count = min(100_000, rows - start)
+                await c.execute(
+                    "insert into outbox_events (id, event_type, source, subject, time, data, "
+                    "created_at) select gen_random_uuid(), %s, 'bench', 's' || (g %% %s::int), now(), "
+                    "jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
+                    "clock_timestamp() from generate_series(%s::int, %s::int) g",
+                    (self.event_type, subjects, start, start + count - 1),
+                )
+
+
+class Consumer:
+    """A core NATS subscription on the stream's subjects, noting arrival times."""
+
+    def __init__(self, nats_url: str, subject: str) -> None:
+        self._url = nats_url
+        self._subject = subject
+        self.arrived: dict[str, float] = {}
+        self._nc: Client | None = None
+
+    async def __aenter__(self) -> Consumer:
+        self._nc = await nats.connect(self._url)
+
+        async def on_message(msg: Msg) -> None:
+            msg_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+            self.arrived.setdefault(msg_id, time.perf_counter())
+
+        await self._nc.subscribe(self._subject, cb=on_message, pending_msgs_limit=2_000_000)
+        await self._nc.flush()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._nc is not None:
+            await self._nc.close()
+
+    async def wait_for(self, ids: set[str]) -> None:
+        """Until every one of ``ids`` has arrived (callers bound it with a timeout)."""
+        while not ids <= self.arrived.keys():  # noqa: ASYNC110 - arrivals come from a callback
+            await asyncio.sleep(0.01)
+
+
+async def produce_at_rate(
+    url: str, event_type: str, rate: float, seconds: float, producers: int = 4
+) -> dict[str, float]:
+    """Single-row transactions at ``rate`` events/s in total from ``producers``
+    connections; the time each commit was issued, by event id."""
+    committed: dict[str, float] = {}
+    per_producer = rate / producers
+
+    async def producer(index: int) -> None:
+        async with await psycopg.AsyncConnection.connect(url) as conn:
+            start = time.perf_counter() + index / rate  # stagger the producers
+            n = 0
+            while True:
+                due = start + n / per_producer
+                if due - start > seconds:
+                    return
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                event_id = str(uuid.uuid4())
+                await conn.execute(INSERT, (event_id, event_type, f"s{n % 97}", '{"n": 1}'))
+                committed[event_id] = time.perf_counter()
+                await conn.commit()
+                n += 1
+
+    await asyncio.gather(*(producer(i) for i in range(producers)))
+    return committed
+
+
+class RelayProcess:
+    """`outbox-relay run` as a child process, as an operator runs it."""
+
+    def __init__(self, url: str, nats_url: str, **settings: str) -> None:
+        self._env = {
+            **os.environ,
+            "OUTBOX_RELAY_DATABASE_URL": url,
+            "OUTBOX_RELAY_NATS_URL": nats_url,
+            "OUTBOX_RELAY_METRICS_PORT": "0",
+            "OUTBOX_RELAY_LOG_LEVEL": "warning",
+        }
+        self._env.update({f"OUTBOX_RELAY_{k.upper()}": v for k, v in settings.items()})
+        self.process: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> RelayProcess:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relay", "run", env=self._env,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 20)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+
+    def peak_rss_mb(self) -> float:
+        """The process's peak resident memory so far (VmHWM), in MiB."""
+        assert self.process is not None
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmHWM in /proc status")
+
+
+async def wait_until_ready(target: Target) -> None:
+    """Until a relay publishes a probe event (it is connected and listening)."""
+    async with Consumer(target.nats_url, f"{target.prefix}.>") as consumer, asyncio.timeout(60):
+        probes: set[str] = set()
+        while not probes & consumer.arrived.keys():
+            probe = str(uuid.uuid4())
+            probes.add(probe)
+            await target.execute(INSERT, (probe, f"{target.prefix}.probe", "probe", "{}"))
+            await asyncio.sleep(0.25)
+
+
+@contextlib.asynccontextmanager
+async def listening(url: str, channel: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(f"listen {channel}")
+        yield conn
+
+
+def dumps(value: object) -> str:
+    return json.dumps(value, indent=2, sort_keys=True)

