@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +96,28 @@ class SetupReport:
     trigger_present: bool
 
 
+async def _execute_and_commit(
+    conn: psycopg.AsyncConnection[Any],
+    statements: list[tuple[sql.Composed, dict[str, Any]]],
+    crash_before_commit: Callable[[], None] | None,
+) -> None:
+    """asyncio side: the statements and the commit in one pipeline sync."""
+    async with conn.pipeline() as pipeline:
+        for statement, params in statements:
+            await conn.execute(statement, params)
+        if crash_before_commit is not None:
+            # Test-only: let the server apply the marks, then die before COMMIT.
+            await pipeline.sync()
+            crash_before_commit()
+        await conn.commit()
+
+
+@dataclass(frozen=True)
+class Claim:
+    rows: list[OutboxRow]
+    blockers: dict[str, OrderKey]
+
+
 @dataclass(frozen=True)
 class Backlog:
     unpublished: int
@@ -115,43 +137,35 @@ class Transaction:
             cursor = await aio.call(self._conn.execute, query(self._names, name), params)
             return await aio.call(cursor.fetchall)
 
-    async def _execute(self, name: str, params: dict[str, Any]) -> int:
-        async with translated(name):
-            cursor = await aio.call(self._conn.execute, query(self._names, name), params)
-            return cursor.rowcount
+    async def claim(self, batch_size: int, max_attempts: int) -> Claim:
+        """The next batch, and the rows outside it that hold some of it back."""
+        found = await self._fetch("claim", {"batch_size": batch_size, "max_attempts": max_attempts})
+        rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
+        blockers = {row[4]: (row[7], row[1]) for row in found if row[0]}
+        return Claim(rows, blockers)
 
-    async def claim(self, batch_size: int, max_attempts: int) -> list[OutboxRow]:
-        rows = await self._fetch("claim", {"batch_size": batch_size, "max_attempts": max_attempts})
-        return [OutboxRow(*row) for row in rows]
-
-    async def blockers(self, rows: Sequence[OutboxRow], max_attempts: int) -> dict[str, OrderKey]:
-        if not rows:
-            return {}
-        found = await self._fetch(
-            "blockers",
-            {
-                "max_attempts": max_attempts,
-                "last_created_at": max(row.created_at for row in rows),
-                "subjects": sorted({row.subject for row in rows}),
-                "ids": [row.id for row in rows],
-            },
-        )
-        return {subject: (created_at, row_id) for subject, created_at, row_id in found}
-
-    async def mark(self, marks: Marks) -> None:
-        # One statement for every acked row, one for every failed row.
+    async def mark_and_commit(
+        self, marks: Marks, crash_before_commit: Callable[[], None] | None = None
+    ) -> None:
+        """One statement for every acked row, one for every failed row, and the
+        commit, sent together in one round trip (pipeline mode)."""
+        statements: list[tuple[sql.Composed, dict[str, Any]]] = []
         if marks.published:
-            await self._execute("mark_published", {"ids": marks.published})
+            statements.append((query(self._names, "mark_published"), {"ids": marks.published}))
         if marks.failed:
-            await self._execute(
-                "mark_failed",
-                {
-                    "ids": [m.id for m in marks.failed],
-                    "attempts": [m.attempts for m in marks.failed],
-                    "delays": [m.retry_delay for m in marks.failed],
-                    "errors": [m.error for m in marks.failed],
-                },
+            statements.append(
+                (
+                    query(self._names, "mark_failed"),
+                    {
+                        "ids": [m.id for m in marks.failed],
+                        "attempts": [m.attempts for m in marks.failed],
+                        "delays": [m.retry_delay for m in marks.failed],
+                        "errors": [m.error for m in marks.failed],
+                    },
+                )
             )
+        async with translated("mark"):
+            await aio.call(_execute_and_commit, self._conn, statements, crash_before_commit)
 
     async def commit(self) -> None:
         async with translated("commit"):
@@ -192,7 +206,9 @@ class Database:
             max_size=4,
             open=False,
             configure=self._configure,
-            check=AsyncConnectionPool.check_connection,
+            # No check on checkout: it would cost a round trip on every batch. A broken
+            # connection fails its statement, the batch is retried, and the pool
+            # discards the connection when it comes back in a bad state.
             timeout=5.0,
             # Keep trying for as long as the relay runs; the pool backs off by itself.
             reconnect_timeout=86400.0,

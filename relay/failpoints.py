@@ -16,6 +16,9 @@ class Failpoints:
     def __init__(self, enabled: frozenset[str]) -> None:
         self._enabled = enabled & KNOWN
 
+    def enabled(self, name: str) -> bool:
+        return name in self._enabled
+
     def hit(self, name: str) -> None:
         if name in self._enabled:
             # The harshest crash there is: no cleanup, no rollback from our side.

@@ -6,37 +6,44 @@
 -- Claim the next batch in order. Rows another relay holds are skipped, not waited
 -- on. A row waiting out its backoff is not claimed, and neither is any later row
 -- of its subject (per-subject order); a row at the cap holds nothing up.
-select o.id, o.event_type, o.source, o.subject, o.time, o.data::text, o.created_at,
-       o.attempts
-  from {table} o
- where o.published_at is null
-   and o.attempts < %(max_attempts)s
-   and (o.relay_retry_at is null or o.relay_retry_at <= now())
-   and not exists (
-         select 1
-           from {table} b
-          where b.subject = o.subject
-            and b.published_at is null
-            and b.relay_retry_at is not null
-            and b.relay_retry_at > now()
-            and b.attempts < %(max_attempts)s
-            and (b.created_at, b.id) < (o.created_at, o.id))
- order by o.created_at, o.id
- limit %(batch_size)s
-   for update of o skip locked;
-
--- name: blockers
--- For the subjects of a claimed batch, the earliest unpublished live row that is
--- not in the batch: held by another relay, or committed after the claim's
--- snapshot. Plain reads see rows other relays have locked, without waiting.
-select distinct on (subject) subject, created_at, id
-  from {table}
- where published_at is null
-   and attempts < %(max_attempts)s
-   and created_at <= %(last_created_at)s
-   and subject = any(%(subjects)s)
-   and id <> all(%(ids)s)
- order by subject, created_at, id;
+--
+-- The same statement also returns, for each subject of the batch, the earliest
+-- unpublished live row that is not in the batch (blocker = true): another relay
+-- holds it, or it committed after this statement's snapshot was taken by a
+-- concurrent claim. Claimed rows behind it must wait. A plain read sees rows
+-- other relays have locked without waiting for them.
+with claimed as materialized (
+  select o.id, o.event_type, o.source, o.subject, o.time, o.data::text as data,
+         o.created_at, o.attempts
+    from {table} o
+   where o.published_at is null
+     and o.attempts < %(max_attempts)s
+     and (o.relay_retry_at is null or o.relay_retry_at <= now())
+     and not exists (
+           select 1
+             from {table} b
+            where b.subject = o.subject
+              and b.published_at is null
+              and b.relay_retry_at is not null
+              and b.relay_retry_at > now()
+              and b.attempts < %(max_attempts)s
+              and (b.created_at, b.id) < (o.created_at, o.id))
+   order by o.created_at, o.id
+   limit %(batch_size)s
+     for update of o skip locked
+)
+select false as blocker, id, event_type, source, subject, time, data, created_at, attempts
+  from claimed
+union all
+(select distinct on (e.subject)
+        true, e.id, null, null, e.subject, null, null, e.created_at, null
+   from {table} e
+  where e.published_at is null
+    and e.attempts < %(max_attempts)s
+    and e.created_at <= (select max(created_at) from claimed)
+    and e.subject in (select subject from claimed)
+    and e.id not in (select id from claimed)
+  order by e.subject, e.created_at, e.id);
 
 -- name: mark_published
 update {table}

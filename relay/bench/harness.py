@@ -111,8 +111,8 @@ class Target:
                 count = min(100_000, rows - start)
                 await c.execute(
                     "insert into outbox_events (id, event_type, source, subject, time, data, "
-                    "created_at) select gen_random_uuid(), %s, 'bench', 's' || (g %% %s::int), now(), "
-                    "jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
+                    "created_at) select gen_random_uuid(), %s, 'bench', 's' || (g %% %s::int), "
+                    "now(), jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
                     "clock_timestamp() from generate_series(%s::int, %s::int) g",
                     (self.event_type, subjects, start, start + count - 1),
                 )
@@ -219,7 +219,8 @@ class RelayProcess:
 
 async def wait_until_ready(target: Target) -> None:
     """Until a relay publishes a probe event (it is connected and listening)."""
-    async with Consumer(target.nats_url, f"{target.prefix}.>") as consumer, asyncio.timeout(60):
+    consumer = Consumer(target.nats_url, f"{target.prefix}.>")
+    async with consumer, asyncio.timeout(60):
         probes: set[str] = set()
         while not probes & consumer.arrived.keys():
             probe = str(uuid.uuid4())
