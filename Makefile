@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test lint typecheck unit demo clean
+.PHONY: test lint typecheck unit demo bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ unit: $(BIN)/.installed
 test: lint typecheck
 	tests/ensure-environment.sh
 	$(BIN)/python -m pytest
+
+# Throwaway Postgres and NATS, a producer, the relay and a deduping consumer, with a
+# live line, until Ctrl-C. With OUTBOX_RELAY_DATABASE_URL / _NATS_URL set, it uses
+# those servers instead.
+demo: $(BIN)/.installed
+	@$(BIN)/outbox-relay demo
+
+# Every figure of the README's performance section (several minutes).
+bench: $(BIN)/.installed
+	$(BIN)/outbox-relay bench
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--nats-url", help="a NATS server to use instead of a throwaway one")
     bench.add_argument("--quick", action="store_true", help="a few seconds, tiny sizes (CI)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    demo = commands.add_parser(
+        "demo",
+        help="see it work: throwaway servers, a producer, the relay and a consumer",
+        description="Uses OUTBOX_RELAY_DATABASE_URL / OUTBOX_RELAY_NATS_URL when set, "
+        "throwaway loopback servers otherwise. Stops and removes everything on Ctrl-C.",
+    )
+    demo.add_argument("--rate", type=float, default=50.0, help="orders per second (default 50)")
+    demo.add_argument("--seconds", type=float, help="stop by itself after this long")
     return parser
 
 
@@ -200,11 +208,24 @@ def _bench(args: argparse.Namespace) -> int:
         return 1
 
 
+def _demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from relay import demo  # noqa: PLC0415 - only the demo needs it
+
+    setup_logging("warning", "text")
+    try:
+        return demo.main(environ, args.rate, args.seconds)
+    except localservers.MissingServerBinary as exc:
+        print(f"outbox-relay demo: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
     if argv[:1] == ["bench"]:
         return _bench(build_parser().parse_args(argv))
+    if argv[:1] == ["demo"]:
+        return _demo(build_parser().parse_args(argv), environ)
     try:
         args, config = parse(argv, environ)
     except ConfigError as exc:

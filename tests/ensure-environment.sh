@@ -1,29 +1,27 @@
 #!/usr/bin/env bash
 # What the test suite needs beyond the virtual environment:
-# - promtool (Debian's prometheus package), to check the alert rules;
+# - Debian packages for the deploy/ checks (below);
 # - the machine's shared Postgres (127.0.0.1:5432) and NATS with JetStream
 #   (127.0.0.1:4222), started the way this kind of machine starts them if down.
 # Throwaway servers for the fault tests are started by the tests themselves.
 set -euo pipefail
 
-if ! command -v promtool >/dev/null; then
+# Debian packages the deploy/ checks use: promtool (in prometheus) for the alert
+# rules, docker-compose for `docker-compose config`, systemd-analyze for the unit.
+missing=()
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v systemd-analyze >/dev/null || missing+=(systemd)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "ensure-environment: installing promtool (Debian package prometheus)"
+    echo "ensure-environment: installing ${missing[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
-    echo "ensure-environment: promtool is missing: apt-get install prometheus" >&2
+    echo "ensure-environment: missing tools: apt-get install ${missing[*]}" >&2
     exit 1
   fi
 fi
-
-port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-
-wait_port() {
-  for _ in $(seq 1 100); do port_open "$1" && return 0; sleep 0.2; done
-  echo "ensure-environment: nothing listens on 127.0.0.1:$1 ($2)" >&2
-  return 1
-}
 
 if ! port_open 5432; then
   if command -v pg_ctlcluster >/dev/null && [ -d /etc/postgresql ]; then

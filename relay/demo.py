@@ -1,0 +1,221 @@
+"""`outbox-relay demo`: the relay at work in one command.
+
+It starts throwaway Postgres and NATS JetStream servers (or uses the ones named
+by OUTBOX_RELAY_DATABASE_URL / OUTBOX_RELAY_NATS_URL), installs the SQL, creates
+a demo stream, and runs three things until Ctrl-C:
+
+- a producer that writes a domain row (an order) and its event in ONE transaction,
+  the way every service using the outbox must;
+- the relay, as `outbox-relay run` in a child process;
+- a consumer that dedupes on the envelope id under a unique constraint, in the
+  same transaction as its own work (see :func:`handle`), as the contract says.
+
+It prints one live line: events/s, backlog, and commit-to-consumer latency. On
+Ctrl-C everything it started is stopped and what it created is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import nats
+import psycopg
+from nats.js import JetStreamContext
+
+from relay.config import Config, redact_url
+from relay.database import connection_string, install
+from relay.localservers import throwaway_nats, throwaway_postgres
+from relay.sqlfiles import Names
+
+STREAM = "OUTBOX_RELAY_DEMO"
+SUBJECTS = "demo.>"
+
+SCHEMA = """
+create table if not exists demo_orders (
+  id uuid primary key, customer text not null, amount_cents int not null,
+  placed_at timestamptz not null default now());
+create table if not exists demo_shipments (
+  order_id uuid primary key, shipped_at timestamptz not null default now());
+-- The consumer's dedupe table: one row per envelope id it has acted on.
+create table if not exists demo_processed_events (
+  event_id uuid primary key, processed_at timestamptz not null default now());
+"""
+TEARDOWN = """
+drop table if exists demo_orders, demo_shipments, demo_processed_events;
+delete from outbox_events where event_type like 'demo.%';
+"""
+
+
+async def place_order(conn: psycopg.AsyncConnection[Any], customer: str) -> None:
+    """The producer side of the outbox: the domain write and its event commit (or
+    roll back) together. The event id is made here, before the insert."""
+    order_id, event_id = uuid.uuid4(), uuid.uuid4()
+    amount = random.randint(100, 50_000)
+    async with conn.transaction():
+        await conn.execute(
+            "insert into demo_orders (id, customer, amount_cents) values (%s, %s, %s)",
+            (order_id, customer, amount),
+        )
+        await conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data) "
+            "values (%s, 'demo.order.placed', 'demo-shop', %s, now(), %s)",
+            (event_id, f"order/{order_id}",
+             json.dumps({"order_id": str(order_id), "customer": customer, "amount_cents": amount})),
+        )  # fmt: skip
+
+
+async def handle(conn: psycopg.AsyncConnection[Any], envelope: Mapping[str, Any]) -> bool:
+    """The consumer side: idempotent by construction. The envelope id goes into a
+    table with a unique constraint in the same transaction as the handler's work,
+    so a redelivery (at-least-once) finds it there and does nothing twice.
+
+    Returns whether this delivery did the work (False: a duplicate)."""
+    async with conn.transaction():
+        cursor = await conn.execute(
+            "insert into demo_processed_events (event_id) values (%s) on conflict do nothing",
+            (envelope["id"],),
+        )
+        if cursor.rowcount == 0:
+            return False  # seen before: a duplicate delivery, nothing to do
+        await conn.execute(
+            "insert into demo_shipments (order_id) values (%s) on conflict do nothing",
+            (envelope["data"]["order_id"],),
+        )
+    return True
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.consumed = 0
+        self.duplicates = 0
+        self.latencies: list[float] = []
+
+
+async def produce(url: str, stop: asyncio.Event, rate: float) -> None:
+    customers = ["ada", "grace", "edsger", "barbara", "ken", "leslie"]
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        while not stop.is_set():
+            await place_order(conn, random.choice(customers))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), random.expovariate(rate))
+
+
+async def consume(url: str, js: JetStreamContext, stop: asyncio.Event, stats: Stats) -> None:
+    subscription = await js.pull_subscribe(SUBJECTS, durable="demo-shipping", stream=STREAM)
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        while not stop.is_set():
+            try:
+                messages = await subscription.fetch(100, timeout=0.5)
+            except nats.errors.TimeoutError:
+                continue
+            for message in messages:
+                envelope = json.loads(message.data)
+                if await handle(conn, envelope):
+                    sent = datetime.fromisoformat(envelope["time"].replace("Z", "+00:00"))
+                    stats.latencies.append((datetime.now(UTC) - sent).total_seconds())
+                    stats.consumed += 1
+                else:
+                    stats.duplicates += 1
+                # Ack after the commit: a crash in between redelivers, and handle()
+                # turns the redelivery into a no-op.
+                await message.ack()
+
+
+async def report(url: str, stop: asyncio.Event, stats: Stats) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        last, last_at = 0, time.perf_counter()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            cursor = await conn.execute(
+                "select count(*) from outbox_events where published_at is null"
+            )
+            row = await cursor.fetchone()
+            now = time.perf_counter()
+            rate = (stats.consumed - last) / (now - last_at)
+            last, last_at = stats.consumed, now
+            window, stats.latencies = stats.latencies, []
+            latency = f"{statistics.median(window) * 1000:6.1f} ms" if window else "     - ms"
+            sys.stdout.write(
+                f"\r{rate:7.1f} events/s  backlog {row[0] if row else 0:5d}  "
+                f"commit-to-consumer p50 {latency}  consumed {stats.consumed}  "
+                f"duplicates ignored {stats.duplicates}   "
+            )
+            sys.stdout.flush()
+
+
+async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float | None) -> None:
+    config = Config(database_url=database_url, nats_urls=(nats_url,))
+    conninfo = connection_string(database_url)
+    await asyncio.to_thread(install, conninfo, Names.for_config(config))
+    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+        await conn.execute(SCHEMA)
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        await js.delete_stream(STREAM)
+    await js.add_stream(name=STREAM, subjects=[SUBJECTS])
+    relay = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "relay", "run",
+        env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": database_url,
+             "OUTBOX_RELAY_NATS_URL": nats_url, "OUTBOX_RELAY_METRICS_PORT": "0",
+             "OUTBOX_RELAY_LOG_LEVEL": "warning"},
+    )  # fmt: skip
+    print(f"relay running (pid {relay.pid}) against {redact_url(database_url)} and {nats_url}")
+    print("producing orders; press Ctrl-C to stop\n")
+    stop, stats = asyncio.Event(), Stats()
+    tasks = [
+        asyncio.create_task(produce(conninfo, stop, rate)),
+        asyncio.create_task(consume(conninfo, js, stop, stats)),
+        asyncio.create_task(report(conninfo, stop, stats)),
+    ]
+    finished = asyncio.Event()
+    # Ctrl-C cancels this coroutine (asyncio.Runner); SIGTERM ends it the same way.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, finished.set)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(finished.wait(), seconds)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        relay.terminate()
+        await relay.wait()
+        with contextlib.suppress(Exception):
+            await js.delete_stream(STREAM)
+        await nc.close()
+        async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+            await conn.execute(TEARDOWN)
+        print(f"\n\nstopped: {stats.consumed} orders shipped exactly once, "
+              f"{stats.duplicates} duplicate deliveries ignored")  # fmt: skip
+
+
+def main(environ: Mapping[str, str], rate: float, seconds: float | None) -> int:
+    database_url = environ.get("OUTBOX_RELAY_DATABASE_URL")
+    nats_url = environ.get("OUTBOX_RELAY_NATS_URL")
+    with contextlib.ExitStack() as servers:
+        if database_url is None:
+            print("starting a throwaway Postgres on loopback ...")
+            database_url = servers.enter_context(throwaway_postgres()).url
+        if nats_url is None:
+            print("starting a throwaway NATS JetStream on loopback ...")
+            nats_url = servers.enter_context(throwaway_nats()).url
+        # A plain asyncio loop: the relay (which needs trio-asyncio) runs in its own process.
+        with (
+            asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner,
+            contextlib.suppress(KeyboardInterrupt),
+        ):
+            runner.run(run_demo(database_url, nats_url.split(",")[0], rate, seconds))
+    print("everything the demo started is stopped and removed")
+    return 0
