@@ -52,10 +52,17 @@ def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, o
     return Failed(FailureReason.OTHER, f"{exc.__class__.__name__}: {exc}")
 
 
-def parse_ack(msg: Msg) -> PublishResult:
+_PLAIN_ACK = b'{"stream":'
+_ACKED = Acked(duplicate=False)
+
+
+def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind of reply
     """A JetStream reply: a PubAck, an API error, or "no responders"."""
     if msg.headers and msg.headers.get("Status") == "503":
         return Failed(FailureReason.NO_STREAM, "no stream captures the subject (no responders)")
+    data = msg.data
+    if data.startswith(_PLAIN_ACK) and b'"error"' not in data and b'"duplicate"' not in data:
+        return _ACKED  # the common case, {"stream":"X", "seq":N}, without a JSON parse
     try:
         reply = json.loads(msg.data)
     except ValueError:

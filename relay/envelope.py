@@ -10,6 +10,9 @@ from relay.model import OutboxRow
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
+# One encoder for every message: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -33,7 +36,7 @@ def build_message(row: OutboxRow) -> Message:
     """The envelope for ``row``: the row's id is the envelope id and the dedupe key
     (``Nats-Msg-Id``), so a republish inside the stream's duplicate window is dropped
     by the broker and anywhere else by the consumer."""
-    head = json.dumps(
+    head = _ENCODER.encode(
         {
             "specversion": "1.0",
             "id": str(row.id),
@@ -42,9 +45,7 @@ def build_message(row: OutboxRow) -> Message:
             "subject": row.subject,
             "time": rfc3339(row.time),
             "datacontenttype": "application/json",
-        },
-        ensure_ascii=False,
-        separators=(",", ":"),
+        }
     )
     # ``data`` arrives as jsonb's own text rendering, which is valid JSON: splice it in
     # rather than parse and re-serialise every payload.

@@ -6,11 +6,14 @@ never burns retries or holds up the rows behind it.
 
 from __future__ import annotations
 
+import functools
+
 from relay.model import FailureReason
 
 _WHITESPACE = frozenset(" \t\r\n\f\v")
 
 
+@functools.lru_cache(maxsize=4096)  # event types repeat: check each one once
 def subject_problem(subject: str) -> str | None:
     """Why ``subject`` is not a valid NATS publish subject, or None if it is."""
     if not subject:

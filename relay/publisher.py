@@ -7,6 +7,7 @@ are marked where they are.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from uuid import UUID
@@ -265,33 +266,38 @@ class Publisher:
         by_id = {row.id: row for row in rows}
         dead = {row.id for row, _ in marks.newly_dead}
         now = datetime.now(UTC)
+        published: Counter[str] = Counter()
+        duplicates = 0
         for row_id, result in results.items():
             row = by_id[row_id]
             if isinstance(result, Acked):
-                self._metrics.published.labels(
-                    event_type=self._metrics.event_type(row.event_type)
-                ).inc()
-                if result.duplicate:
-                    self._metrics.duplicates.inc()
+                published[row.event_type] += 1
+                duplicates += result.duplicate
                 latency = (now - row.created_at).total_seconds()
                 self._metrics.publish_latency.observe(max(latency, 0.0))
-            else:
-                self._metrics.publish_failures.labels(
-                    event_type=self._metrics.event_type(row.event_type),
-                    reason=result.reason.value,
-                ).inc()
-                if row_id in dead:
-                    continue  # logged once, below, as a dead row
-                log.warning(
-                    "publish failed: %s",
-                    result.detail,
-                    extra={
-                        "row_id": str(row.id),
-                        "event_type": row.event_type,
-                        "reason": result.reason.value,
-                        "attempts": row.attempts + 1,
-                    },
-                )
+                continue
+            self._metrics.publish_failures.labels(
+                event_type=self._metrics.event_type(row.event_type),
+                reason=result.reason.value,
+            ).inc()
+            if row_id in dead:
+                continue  # logged once, below, as a dead row
+            log.warning(
+                "publish failed: %s",
+                result.detail,
+                extra={
+                    "row_id": str(row.id),
+                    "event_type": row.event_type,
+                    "reason": result.reason.value,
+                    "attempts": row.attempts + 1,
+                },
+            )
+        for event_type, count in published.items():
+            self._metrics.published.labels(event_type=self._metrics.event_type(event_type)).inc(
+                count
+            )
+        if duplicates:
+            self._metrics.duplicates.inc(duplicates)
         for row, failure in marks.newly_dead:
             self._metrics.dead_marked.labels(
                 event_type=self._metrics.event_type(row.event_type),

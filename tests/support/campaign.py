@@ -1,0 +1,171 @@
+"""A fault campaign: producers commit domain rows and events concurrently, with
+per-subject sequence numbers, while a test injects faults; afterwards the stream
+is read back and checked against the producers' record and the table."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import psycopg
+
+from tests.support.checker import Committed, RowState, Stored, Verdict, check
+from tests.support.relayproc import wait_until
+from tests.support.stream import TestStream
+
+DOMAIN = """
+create table if not exists campaign_domain (
+  entity text not null, seq int not null, primary key (entity, seq))
+"""
+
+# Rows that can never be published, and odd but valid ones that must be.
+POISON_TYPES = ["bad subject", "x.*", "a..b", ".lead", "", "$SYS.nope"]
+
+
+@dataclass
+class Producer:
+    index: int
+    subjects: list[str]
+    seq: dict[str, int] = field(default_factory=dict)
+
+
+class Campaign:
+    def __init__(self, db_url: str, stream: TestStream, *, producers: int = 4,
+                 subjects_per_producer: int = 10, rollback_rate: float = 0.05,
+                 poison_rate: float = 0.0, pause: float = 0.002) -> None:
+        self.db_url = db_url
+        self.stream = stream
+        self.event_type = stream.subject("entity.updated")
+        self.rollback_rate = rollback_rate
+        self.poison_rate = poison_rate
+        self.pause = pause
+        self.committed: list[Committed] = []
+        self.in_doubt: dict[str, Committed] = {}
+        self.rolled_back: set[str] = set()
+        self.poison: set[str] = set()
+        self.odd: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._producers = [
+            Producer(i, [f"entity-{i}-{k}" for k in range(subjects_per_producer)])
+            for i in range(producers)
+        ]
+        self._threads: list[threading.Thread] = []
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(DOMAIN)
+
+    # -- producing ---------------------------------------------------------------
+
+    def start(self) -> Campaign:
+        for producer in self._producers:
+            thread = threading.Thread(target=self._produce, args=(producer,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def wait_for(self, events: int, timeout: float = 60.0) -> None:
+        wait_until(lambda: len(self.committed) >= events, timeout, interval=0.05,
+                   message=f"{events} committed events")
+
+    def _produce(self, producer: Producer) -> None:
+        rng = random.Random(producer.index)
+        conn: psycopg.Connection | None = None
+        while not self._stop.is_set():
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self.db_url, connect_timeout=3)
+                self._one_transaction(conn, producer, rng)
+            except psycopg.Error:
+                if conn is not None:
+                    conn.close()
+                conn = None
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0, self.pause))
+        if conn is not None:
+            conn.close()
+
+    def _one_transaction(self, conn: psycopg.Connection, producer: Producer,
+                         rng: random.Random) -> None:
+        subject = rng.choice(producer.subjects)
+        seq = producer.seq.get(subject, 0) + 1
+        event_id = str(uuid.uuid4())
+        event_type, data, source = self.event_type, {"subject": subject, "seq": seq}, "campaign"
+        poison = rng.random() < self.poison_rate
+        if poison:
+            event_type, data, source = self._poison_row(rng, subject, seq)
+        rollback = rng.random() < self.rollback_rate
+        conn.execute("insert into campaign_domain (entity, seq) values (%s, %s)",
+                     (f"{subject}/{event_id}", seq))
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
+            "values (%s, %s, %s, %s, now(), %s, clock_timestamp())",
+            (event_id, event_type, source, subject, json.dumps(data)),
+        )
+        event = Committed(event_id, subject, seq)
+        if rollback:
+            conn.rollback()
+            with self._lock:
+                self.rolled_back.add(event_id)
+            return
+        producer.seq[subject] = seq  # a gap after an in-doubt commit is harmless
+        try:
+            conn.commit()
+        except psycopg.Error:
+            with self._lock:
+                self.in_doubt[event_id] = event  # resolved against the table later
+            raise
+        with self._lock:
+            self.committed.append(event)
+
+    def _poison_row(self, rng: random.Random, subject: str, seq: int) -> tuple[str, dict, str]:
+        kind = rng.choice(["invalid", "too_large", "no_stream", "odd", "big_ok"])
+        data: dict = {"subject": subject, "seq": seq}
+        if kind == "invalid":
+            return rng.choice(POISON_TYPES), data, "campaign"
+        if kind == "too_large":
+            return self.event_type, {**data, "blob": "x" * (1024 * 1024 + 10)}, "campaign"
+        if kind == "no_stream":
+            return f"nostream{self.stream.prefix}.x", data, "campaign"
+        if kind == "odd":
+            # Unicode and odd (NUL-free) strings in every text column.
+            return self.event_type, {**data, "text": "żółć 🚀 \\\" ' \t ‮"}, "sørce ✓ \"q\""
+        return self.event_type, {**data, "blob": "y" * rng.choice([7_999, 100_000])}, "campaign"
+
+    # -- checking ----------------------------------------------------------------
+
+    def table(self) -> dict[str, RowState]:
+        with psycopg.connect(self.db_url) as conn:
+            rows = conn.execute(
+                "select id::text, published_at is not null, attempts from outbox_events"
+            ).fetchall()
+        return {row_id: RowState(published, attempts) for row_id, published, attempts in rows}
+
+    def drain(self, max_attempts: int, timeout: float = 90.0) -> None:
+        """Until no row is left unpublished short of the cap."""
+
+        def drained() -> bool:
+            return not any(not r.published and r.attempts < max_attempts
+                           for r in self.table().values())
+
+        wait_until(drained, timeout, interval=0.2, message="the drain")
+
+    def verdict(self, max_attempts: int) -> Verdict:
+        table = self.table()
+        committed = list(self.committed)
+        # A commit that raised may or may not have happened: the table knows.
+        committed += [event for row_id, event in self.in_doubt.items() if row_id in table]
+        messages = []
+        for message in self.stream.read_all():
+            envelope = message.envelope
+            data = envelope.get("data") or {}
+            messages.append(Stored(message.msg_id, envelope["subject"], int(data.get("seq", 0))))
+        return check(committed, table, messages, max_attempts=max_attempts)

@@ -1,0 +1,99 @@
+"""The checker itself, on hand-made histories."""
+
+from __future__ import annotations
+
+from tests.support.checker import Committed, RowState, Stored, check
+
+
+def history(*events: tuple[str, str, int]) -> list[Committed]:
+    return [Committed(*event) for event in events]
+
+
+def stored(*messages: tuple[str, str, int]) -> list[Stored]:
+    return [Stored(*message) for message in messages]
+
+
+PUBLISHED = RowState(published=True, attempts=0)
+
+
+def test_a_clean_history_passes():
+    committed = history(("a", "s", 1), ("b", "s", 2), ("c", "t", 1))
+    table = {"a": PUBLISHED, "b": PUBLISHED, "c": PUBLISHED}
+    verdict = check(
+        committed, table, stored(("a", "s", 1), ("c", "t", 1), ("b", "s", 2)), max_attempts=5
+    )
+    assert verdict.ok, verdict.summary()
+    assert (verdict.committed, verdict.stored, verdict.duplicates) == (3, 3, 0)
+
+
+def test_lost_event_is_reported():
+    verdict = check(
+        history(("a", "s", 1), ("b", "s", 2)),
+        {"a": PUBLISHED, "b": RowState(False, 0)},
+        stored(("a", "s", 1)),
+        max_attempts=5,
+    )
+    assert verdict.lost == ["b"]
+    assert verdict.stuck == ["b"]
+    assert not verdict.ok
+
+
+def test_dead_row_is_not_lost_but_counted():
+    verdict = check(history(("a", "s", 1)), {"a": RowState(False, 5)}, [], max_attempts=5)
+    assert verdict.lost == []
+    assert verdict.stuck == []
+    assert verdict.dead == 1
+    assert verdict.ok
+
+
+def test_unexpected_message_from_a_rolled_back_write():
+    verdict = check(
+        history(("a", "s", 1)),
+        {"a": PUBLISHED},
+        stored(("a", "s", 1), ("ghost", "s", 2)),
+        max_attempts=5,
+    )
+    assert verdict.unexpected == ["ghost"]
+    assert not verdict.ok
+
+
+def test_marked_but_missing():
+    verdict = check(history(("a", "s", 1)), {"a": PUBLISHED}, [], max_attempts=5)
+    assert verdict.marked_but_missing == ["a"]
+    assert verdict.lost == ["a"]
+
+
+def test_duplicates_are_counted_not_failed():
+    committed = history(("a", "s", 1), ("b", "s", 2))
+    verdict = check(
+        committed,
+        {"a": PUBLISHED, "b": PUBLISHED},
+        stored(("a", "s", 1), ("a", "s", 1), ("b", "s", 2), ("a", "s", 1)),
+        max_attempts=5,
+    )
+    assert verdict.duplicates == 2
+    assert verdict.ok  # a late duplicate of a is not an inversion: first publication counts
+
+
+def test_order_inversion_in_first_publication_order():
+    committed = history(("a", "s", 1), ("b", "s", 2), ("c", "s", 3), ("x", "t", 1))
+    table = dict.fromkeys("abcx", PUBLISHED)
+    verdict = check(
+        committed,
+        table,
+        stored(("a", "s", 1), ("c", "s", 3), ("x", "t", 1), ("b", "s", 2)),
+        max_attempts=5,
+    )
+    assert verdict.order_inversions == [("s", 3, 2)]
+    assert not verdict.ok
+
+
+def test_other_subjects_are_unordered():
+    committed = history(("a", "s", 1), ("b", "t", 1))
+    verdict = check(
+        committed,
+        {"a": PUBLISHED, "b": PUBLISHED},
+        stored(("b", "t", 1), ("a", "s", 1)),
+        max_attempts=5,
+    )
+    assert verdict.ok
