@@ -34,9 +34,17 @@ class Producer:
 
 
 class Campaign:
-    def __init__(self, db_url: str, stream: TestStream, *, producers: int = 4,
-                 subjects_per_producer: int = 10, rollback_rate: float = 0.05,
-                 poison_rate: float = 0.0, pause: float = 0.002) -> None:
+    def __init__(
+        self,
+        db_url: str,
+        stream: TestStream,
+        *,
+        producers: int = 4,
+        subjects_per_producer: int = 10,
+        rollback_rate: float = 0.05,
+        poison_rate: float = 0.0,
+        pause: float = 0.002,
+    ) -> None:
         self.db_url = db_url
         self.stream = stream
         self.event_type = stream.subject("entity.updated")
@@ -73,8 +81,12 @@ class Campaign:
             thread.join(30)
 
     def wait_for(self, events: int, timeout: float = 60.0) -> None:
-        wait_until(lambda: len(self.committed) >= events, timeout, interval=0.05,
-                   message=f"{events} committed events")
+        wait_until(
+            lambda: len(self.committed) >= events,
+            timeout,
+            interval=0.05,
+            message=f"{events} committed events",
+        )
 
     def _produce(self, producer: Producer) -> None:
         rng = random.Random(producer.index)
@@ -93,8 +105,9 @@ class Campaign:
         if conn is not None:
             conn.close()
 
-    def _one_transaction(self, conn: psycopg.Connection, producer: Producer,
-                         rng: random.Random) -> None:
+    def _one_transaction(
+        self, conn: psycopg.Connection, producer: Producer, rng: random.Random
+    ) -> None:
         subject = rng.choice(producer.subjects)
         seq = producer.seq.get(subject, 0) + 1
         event_id = str(uuid.uuid4())
@@ -103,8 +116,10 @@ class Campaign:
         if poison:
             event_type, data, source = self._poison_row(rng, subject, seq)
         rollback = rng.random() < self.rollback_rate
-        conn.execute("insert into campaign_domain (entity, seq) values (%s, %s)",
-                     (f"{subject}/{event_id}", seq))
+        conn.execute(
+            "insert into campaign_domain (entity, seq) values (%s, %s)",
+            (f"{subject}/{event_id}", seq),
+        )
         conn.execute(
             "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
             "values (%s, %s, %s, %s, now(), %s, clock_timestamp())",
@@ -137,7 +152,7 @@ class Campaign:
             return f"nostream{self.stream.prefix}.x", data, "campaign"
         if kind == "odd":
             # Unicode and odd (NUL-free) strings in every text column.
-            return self.event_type, {**data, "text": "żółć 🚀 \\\" ' \t ‮"}, "sørce ✓ \"q\""
+            return self.event_type, {**data, "text": "żółć 🚀 \\\" ' \t \u202e"}, 'sørce ✓ "q"'
         return self.event_type, {**data, "blob": "y" * rng.choice([7_999, 100_000])}, "campaign"
 
     # -- checking ----------------------------------------------------------------
@@ -153,8 +168,9 @@ class Campaign:
         """Until no row is left unpublished short of the cap."""
 
         def drained() -> bool:
-            return not any(not r.published and r.attempts < max_attempts
-                           for r in self.table().values())
+            return not any(
+                not r.published and r.attempts < max_attempts for r in self.table().values()
+            )
 
         wait_until(drained, timeout, interval=0.2, message="the drain")
 
