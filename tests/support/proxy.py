@@ -68,7 +68,7 @@ class Proxy:
                 continue
             try:
                 client, _ = listener.accept()
-            except (TimeoutError, OSError):
+            except (TimeoutError, OSError, ValueError):
                 continue
             with self._lock:
                 mode = self.mode
@@ -104,7 +104,7 @@ class Proxy:
                     if mode == "latency" and latency:
                         time.sleep(latency)
                     peers[sock].sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a socket closed under select()
             return
         finally:
             for sock in (client, upstream):
