@@ -12,12 +12,14 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import psycopg
 import pytest
 
 from tests.support import database
 from tests.support.campaign import Campaign
+from tests.support.checker import Committed
 from tests.support.proxy import proxy_to
 from tests.support.relayproc import RelayProcess, wait_until
 from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL, throwaway_nats, throwaway_postgres
@@ -37,7 +39,7 @@ FAST = {
 
 
 def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1].split("/")[0])
+    return int(url.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
 
 
 def finish(campaign: Campaign, relay: RelayProcess | None = None) -> None:
@@ -205,21 +207,26 @@ def test_three_relays_one_killed_one_frozen_holding_a_batch(campaign, start_rela
     finish(campaign, relays[2])
 
 
-def test_a_long_transaction_that_started_first_commits_last(db_url, campaign, start_relay):
-    relay = start_relay(**FAST)
-    campaign.start()
-    late = str(uuid.uuid4())
-    with psycopg.connect(db_url) as conn:
+def late_commit(url: str, campaign: Campaign, while_open: Callable[[], object]) -> str:
+    """Insert an event, keep the transaction open through ``while_open`` (other rows
+    commit and publish meanwhile), then commit: its created_at is older than theirs."""
+    event_id = str(uuid.uuid4())
+    with psycopg.connect(url) as conn:
         conn.execute(
             "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
             "values (%s, %s, 't', 'late-subject', now(), %s, clock_timestamp())",
-            (late, campaign.event_type, json.dumps({"subject": "late-subject", "seq": 1})),
+            (event_id, campaign.event_type, json.dumps({"subject": "late-subject", "seq": 1})),
         )
-        campaign.wait_for(500)  # hundreds of later rows commit and publish meanwhile
+        while_open()
         conn.commit()
-    from tests.support.checker import Committed
+    campaign.committed.append(Committed(event_id, "late-subject", 1))
+    return event_id
 
-    campaign.committed.append(Committed(late, "late-subject", 1))
+
+def test_a_long_transaction_that_started_first_commits_last(db_url, campaign, start_relay):
+    relay = start_relay(**FAST)
+    campaign.start()
+    late = late_commit(db_url, campaign, lambda: campaign.wait_for(500))
     finish(campaign, relay)
     assert late in {m.msg_id for m in campaign.stream.read_all()}
 
@@ -312,7 +319,9 @@ def test_mixed_campaign_of_every_fault(start_relay):
             relays[2].kill()
             relays[2] = start_relay(**via)
             faults.append("frozen relay")
-            late = threading.Thread(target=_late_commit, args=(pg.url, campaign))
+            late = threading.Thread(
+                target=late_commit, args=(pg.url, campaign, lambda: time.sleep(2))
+            )
             late.start()
             step()
             late.join()
@@ -326,18 +335,3 @@ def test_mixed_campaign_of_every_fault(start_relay):
             print(f"\nmixed campaign, faults: {', '.join(faults)}\n{verdict.summary()}")
             assert verdict.ok, verdict.summary()
             assert verdict.committed >= 20_000
-
-
-def _late_commit(url: str, campaign: Campaign) -> None:
-    from tests.support.checker import Committed
-
-    event_id = str(uuid.uuid4())
-    with psycopg.connect(url) as conn:
-        conn.execute(
-            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
-            "values (%s, %s, 't', 'late', now(), %s, clock_timestamp())",
-            (event_id, campaign.event_type, json.dumps({"subject": "late", "seq": 1})),
-        )
-        time.sleep(2)
-        conn.commit()
-    campaign.committed.append(Committed(event_id, "late", 1))
