@@ -44,11 +44,12 @@ def wait_for_port(port: int, timeout: float = 20.0) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
 
-def postgres_binary(name: str) -> str:
+def postgres_binary(name: str, search_root: Path = Path("/usr/lib/postgresql")) -> str:
+    """``name`` from PATH, or from Debian's versioned directories (newest first)."""
     found = shutil.which(name)
     if found:
         return found
-    for candidate in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), reverse=True):
+    for candidate in sorted(search_root.glob(f"*/bin/{name}"), reverse=True):
         return str(candidate)
     raise MissingServerBinary(
         f"{name} not found: install the Postgres server binaries "
