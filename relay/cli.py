@@ -58,16 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run the relay until SIGTERM or SIGINT")
     _add_options(run, _options_for("run"))
-    install = commands.add_parser(
-        "install", help="create the table (if absent), the relay's columns and the trigger"
-    )
-    install.add_argument("--print", action="store_true", help="write the SQL to stdout instead")
-    _add_options(install, _options_for("install"))
-    uninstall = commands.add_parser(
-        "uninstall", help="remove the trigger, its function and the relay's indexes"
-    )
-    uninstall.add_argument("--print", action="store_true", help="write the SQL to stdout instead")
-    _add_options(uninstall, _options_for("uninstall"))
+    for name, text in (
+        ("install", "create the table (if absent), the relay's columns and the trigger"),
+        ("uninstall", "remove the trigger, its function and the relay's indexes"),
+    ):
+        sql_command = commands.add_parser(name, help=text)
+        sql_command.add_argument(
+            "--print", action="store_true", help="write the SQL to stdout instead"
+        )
+        _add_options(sql_command, _options_for(name))
     status = commands.add_parser(
         "status", help="backlog per event type: unpublished, dead, oldest, attempts"
     )

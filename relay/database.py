@@ -308,6 +308,10 @@ def install(conninfo: str, names: Names) -> None:
         # Two installs at once (a Job retried beside a replica's) must not race on
         # "create ... if not exists"; the lock ends with the transaction.
         conn.execute("select pg_advisory_xact_lock(hashtext('outbox-relay install'))")
+        # A first install on a busy table needs its locks briefly; rather than queue
+        # behind a long transaction (and stall every producer queued behind us),
+        # give up with a clear error after a while. A repeat install takes none.
+        conn.execute("set local lock_timeout = '10s'")
         for statement in install_script(names):
             conn.execute(statement)
 

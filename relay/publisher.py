@@ -117,6 +117,11 @@ class Publisher:
             claimed = await self.drain(stopping)
             if stopping.is_set():
                 break
+            if not self._broker.connected:
+                # Nothing can be published: no sleep lock, so producers do not notify
+                # a relay that could not act on it. The reconnect (or the poll) wakes us.
+                self._count(await self._wakeup.wait())
+                continue
             if claimed or self._wakeup.pending:
                 # Rows are flowing: look again in a moment instead of taking the sleep
                 # lock, which would make every producer notify (and so take the

@@ -87,6 +87,8 @@ class Names:
     idle_lock_key1: sql.Literal
     idle_lock_key2: sql.Literal
     trigger_name: str
+    # The same objects' names as text literals, for catalog checks (to_regclass).
+    catalog_names: dict[str, sql.Literal]
 
     @property
     def idle_lock(self) -> sql.Composed:
@@ -109,11 +111,22 @@ class Names:
             idle_lock_key1=sql.Literal(IDLE_LOCK_CLASS),
             idle_lock_key2=sql.Literal(idle_lock_key(config)),
             trigger_name=f"{base}_relay_notify",
+            catalog_names={
+                "table": sql.Literal(_quoted(*config.table)),
+                "unpublished_idx": sql.Literal(_quoted(*schema, f"{base}_unpublished_idx")),
+                "backoff_idx": sql.Literal(_quoted(*schema, f"{base}_relay_backoff_idx")),
+                "published_idx": sql.Literal(_quoted(*schema, f"{base}_relay_published_idx")),
+            },
         )
 
     def compose(self, template: str) -> sql.Composed:
         return sql.SQL(template).format(
             table=self.table,
+            table_name=self.catalog_names["table"],
+            unpublished_idx_name=self.catalog_names["unpublished_idx"],
+            backoff_idx_name=self.catalog_names["backoff_idx"],
+            published_idx_name=self.catalog_names["published_idx"],
+            trigger_name=sql.Literal(self.trigger_name),
             unpublished_idx=self.unpublished_idx,
             backoff_idx=self.backoff_idx,
             published_idx=self.published_idx,
@@ -126,6 +139,11 @@ class Names:
             idle_lock_key1=self.idle_lock_key1,
             idle_lock_key2=self.idle_lock_key2,
         )
+
+
+def _quoted(*parts: str) -> str:
+    """``"schema"."name"``: an identifier as text, as to_regclass() parses it."""
+    return ".".join('"' + part.replace('"', '""') + '"' for part in parts)
 
 
 def install_script(names: Names) -> list[sql.Composed]:

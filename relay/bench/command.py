@@ -163,40 +163,19 @@ async def _producer_cost(plan: Plan, progress: Progress, report: Report, target:
 async def run_all(target: Target, plan: Plan) -> Report:
     report = Report()
     progress = Progress(total=plan.repetitions * 17 + 1)
-    r = plan.repetitions
 
-    report.add(
-        "wake_floor",
-        "floor: LISTEN wake-up, commit to listener",
-        "ms",
-        [
-            percentile(v, 0.5) * 1000
-            for v in [
-                await _one(
-                    progress,
-                    f"LISTEN wake-up floor ({i + 1}/{r})",
-                    measure.wake_floor(target, plan.floor_samples),
-                )
-                for i in range(r)
-            ]
-        ],
-    )
-    report.add(
-        "publish_floor",
-        "floor: JetStream publish to ack",
-        "ms",
-        [
-            percentile(v, 0.5) * 1000
-            for v in [
-                await _one(
-                    progress,
-                    f"publish-to-ack floor ({i + 1}/{r})",
-                    measure.publish_floor(target, plan.floor_samples),
-                )
-                for i in range(r)
-            ]
-        ],
-    )
+    for key, name, what, measurement in (
+        ("wake_floor", "floor: LISTEN wake-up, commit to listener", "LISTEN wake-up floor",
+         measure.wake_floor),
+        ("publish_floor", "floor: JetStream publish to ack", "publish-to-ack floor",
+         measure.publish_floor),
+    ):  # fmt: skip
+        medians = []
+        for i in range(plan.repetitions):
+            with progress.step(f"{what} ({i + 1}/{plan.repetitions})"):
+                samples = await measurement(target, plan.floor_samples)
+            medians.append(percentile(samples, 0.5) * 1000)
+        report.add(key, name, "ms", medians)
     report.add(
         "claim_mark_rate",
         "floor: claim and mark, no broker",
@@ -259,11 +238,6 @@ async def run_all(target: Target, plan: Plan) -> Report:
     await _latency(plan, progress, report, target, rate=100.0, plain=True)
     progress.finish()
     return report
-
-
-async def _one(progress: Progress, what: str, job: Awaitable[list[float]]) -> list[float]:
-    with progress.step(what):
-        return await job
 
 
 @dataclass(frozen=True)

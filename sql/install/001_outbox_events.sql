@@ -14,6 +14,16 @@ create table if not exists {table} (
 
 -- The publisher's only query. Without this it is a sequential scan of every
 -- event the service has ever published, forever.
-create index if not exists {unpublished_idx}
-  on {table} (created_at)
-  where published_at is null;
+--
+-- (Created only when missing, checked in the catalog first: install runs on every
+-- deploy, beside live producers and relays, and must then take no lock at all on
+-- the table. "create index if not exists" would still lock it.)
+do $$
+begin
+  if to_regclass({unpublished_idx_name}) is null then
+    create index {unpublished_idx}
+      on {table} (created_at)
+      where published_at is null;
+  end if;
+end
+$$;

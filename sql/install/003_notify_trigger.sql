@@ -31,7 +31,17 @@ begin
 end
 $$;
 
-create or replace trigger {notify_trigger}
-  after insert on {table}
-  for each statement
-  execute function {notify_function}();
+-- The trigger only calls the function, so a new install replaces the function
+-- above and leaves the trigger (and the table's lock) alone.
+do $$
+begin
+  if not exists (select 1 from pg_trigger
+                  where tgrelid = {table_name}::regclass and tgname = {trigger_name}
+                    and not tgisinternal) then
+    create trigger {notify_trigger}
+      after insert on {table}
+      for each statement
+      execute function {notify_function}();
+  end if;
+end
+$$;

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+import uuid
 
 import psycopg
 import pytest
@@ -65,6 +67,19 @@ def test_install_twice_changes_nothing(empty_db):
         "CREATE INDEX outbox_events_unpublished_idx ON public.outbox_events USING btree "
         "(created_at) WHERE (published_at IS NULL)"
     ) in indexes
+
+
+def test_reinstall_beside_open_producer_transactions_takes_no_table_lock(db_url):
+    """Install runs on every deploy, beside live producers and relays: on an installed
+    table it must not wait for (or block) anyone."""
+    with psycopg.connect(db_url) as producer:
+        producer.execute(database.INSERT, (uuid.uuid4(), "a.b", "s", "x", "2026-01-01", "{}"))
+        # The producer's transaction stays open, holding its lock on the table.
+        started = time.monotonic()
+        result = cli("install", url=db_url)
+        assert result.returncode == 0, result.stderr
+        assert time.monotonic() - started < 8  # it did not wait out a lock
+        producer.rollback()
 
 
 def test_install_keeps_an_existing_table_and_its_rows(empty_db):

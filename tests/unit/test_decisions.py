@@ -15,6 +15,7 @@ from relay.marks import decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
 from relay.ordering import SubjectQueues, held_behind_blockers
 from relay.publishable import rejection, size_problem, subject_problem
+from relay.publisher import linger_for, sleep_retry_pause
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -243,3 +244,17 @@ class TestMarks:
         r = row()
         marks = self.decide([r], {r.id: Failed(FailureReason.OTHER, "x" * 5000)})
         assert len(marks.failed[0].error) == 1000
+
+
+def test_linger_grows_with_the_rows_found_and_is_capped():
+    assert linger_for(0) == 0
+    assert linger_for(1) == pytest.approx(0.0002)
+    assert linger_for(20) == pytest.approx(0.004)
+    assert linger_for(500) == 0.01
+
+
+def test_sleep_retry_pause_starts_at_zero_and_doubles_to_a_cap():
+    assert [sleep_retry_pause(n) for n in range(1, 8)] == pytest.approx(
+        [0, 0.001, 0.002, 0.004, 0.008, 0.016, 0.02]
+    )
+    assert sleep_retry_pause(1000) == 0.02

@@ -54,7 +54,8 @@ def test_identifiers_are_quoted_not_formatted():
 def test_default_install_uses_the_contract_names():
     scripts = " ".join(s.as_string() for s in install_script(Names.for_config(Config())))
     assert 'create table if not exists "outbox_events"' in scripts
-    assert 'create index if not exists "outbox_events_unpublished_idx"' in scripts
+    assert 'create index "outbox_events_unpublished_idx"' in scripts
+    assert "to_regclass('\"outbox_events_unpublished_idx\"')" in scripts
     assert "where published_at is null" in scripts
 
 
