@@ -6,6 +6,14 @@
 # Throwaway servers for the fault tests are started by the tests themselves.
 set -euo pipefail
 
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+wait_port() {
+  for _ in $(seq 1 100); do port_open "$1" && return 0; sleep 0.2; done
+  echo "ensure-environment: nothing listens on 127.0.0.1:$1 ($2)" >&2
+  return 1
+}
+
 # Debian packages the deploy/ checks use: promtool (in prometheus) for the alert
 # rules, docker-compose for `docker-compose config`, systemd-analyze for the unit.
 missing=()
@@ -26,7 +34,8 @@ fi
 if ! port_open 5432; then
   if command -v pg_ctlcluster >/dev/null && [ -d /etc/postgresql ]; then
     echo "ensure-environment: starting Postgres"
-    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n 1)" main start
+    # "already running" (but not yet listening) is fine: wait_port below decides.
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -n 1)" main start || true
   else
     echo "ensure-environment: Postgres is not running on 127.0.0.1:5432; install and start PostgreSQL 15+" >&2
     exit 1
