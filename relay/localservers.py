@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from relay.errors import RelayError
 
@@ -164,9 +165,11 @@ class ThrowawayNats:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+Server = TypeVar("Server", ThrowawayNats, ThrowawayPostgres)
+
+
 @contextlib.contextmanager
-def throwaway_nats(port: int | None = None, *, started: bool = True) -> Iterator[ThrowawayNats]:
-    server = ThrowawayNats(port)
+def _managed(server: Server, started: bool) -> Iterator[Server]:
     try:
         if started:
             server.start()
@@ -175,14 +178,13 @@ def throwaway_nats(port: int | None = None, *, started: bool = True) -> Iterator
         server.destroy()
 
 
-@contextlib.contextmanager
+def throwaway_nats(
+    port: int | None = None, *, started: bool = True
+) -> contextlib.AbstractContextManager[ThrowawayNats]:
+    return _managed(ThrowawayNats(port), started)
+
+
 def throwaway_postgres(
     *, started: bool = True, durable: bool = False
-) -> Iterator[ThrowawayPostgres]:
-    server = ThrowawayPostgres(durable=durable)
-    try:
-        if started:
-            server.start()
-        yield server
-    finally:
-        server.destroy()
+) -> contextlib.AbstractContextManager[ThrowawayPostgres]:
+    return _managed(ThrowawayPostgres(durable=durable), started)
