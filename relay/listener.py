@@ -182,6 +182,9 @@ class Listener:
                     # Quiet for a whole keepalive: make sure the connection still works.
                     await aio.call(_probe_or_break, conn, self._probe_timeout)
         finally:
+            # Not listening from here on, before the close below awaits: a publisher
+            # asking to sleep meanwhile must hear DEAF at once, not wait for an answer.
+            self._set_state(up=False)
             self._holding = False
             self._answer_request(Sleep.DEAF)
             with (

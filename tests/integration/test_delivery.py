@@ -86,7 +86,10 @@ def test_notification_wakes_relay_long_before_the_poll(db_url, stream, start_rel
             message="delivery within 1 s",
         )
         assert time.monotonic() - started < 1.0
-    assert relay.metric("outbox_relay_wakeups_total", reason="notify") >= 3
+    # Woken by notifications, never by the 30 s poll. (Not one notification per event:
+    # a row that commits while the relay is still taking its sleep lock is found by
+    # the claim made under that lock, with no notification at all.)
+    assert relay.metric("outbox_relay_wakeups_total", reason="notify") >= 1
     assert relay.metric("outbox_relay_wakeups_total", reason="poll") == 0
 
 
