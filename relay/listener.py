@@ -23,6 +23,7 @@ import psycopg
 import psycopg.errors
 import trio
 from psycopg import sql
+from psycopg.abc import Query
 
 from relay import aio
 from relay.backoff import ReconnectBackoff
@@ -68,17 +69,22 @@ async def _wait_for_notification(conn: psycopg.AsyncConnection[Any], seconds: fl
     return received
 
 
-async def _probe_or_break(conn: psycopg.AsyncConnection[Any], seconds: float) -> None:
-    """asyncio side: ``select 1``. A connection that does not answer within
-    ``seconds`` is broken on purpose, which makes the pending query fail at once."""
+async def _execute_or_break(
+    conn: psycopg.AsyncConnection[Any], statement: Query, seconds: float
+) -> tuple[Any, ...] | None:
+    """asyncio side: run ``statement``; its first row. A connection that does not
+    answer within ``seconds`` is broken on purpose, which makes the statement fail at
+    once: every statement on the LISTEN connection goes through here, so a silently
+    dead path is found whatever the connection was doing."""
 
     def give_up() -> None:
-        log.warning("LISTEN probe unanswered after %.1fs: dropping the connection", seconds)
+        log.warning("LISTEN connection unanswered after %.1fs: dropping it", seconds)
         break_connection(conn)
 
     watchdog = asyncio.get_running_loop().call_later(seconds, give_up)
     try:
-        await conn.execute("select 1")
+        cursor = await conn.execute(statement)
+        return await cursor.fetchone() if cursor.description else None
     finally:
         watchdog.cancel()
 
@@ -159,15 +165,13 @@ class Listener:
         with trio.fail_after(10):
             conn: psycopg.AsyncConnection[Any] = await aio.call(_connect_autocommit, self._conninfo)
         try:
-            with trio.fail_after(self._probe_timeout):
-                await aio.call(
-                    conn.execute,
-                    "select set_config('lock_timeout', %s, false)",
-                    (f"{SLEEP_LOCK_TIMEOUT_MS}ms",),
-                )
-                await aio.call(
-                    conn.execute, sql.SQL("listen {}").format(sql.Identifier(self._channel))
-                )
+            await self._execute(
+                sql.SQL("select set_config('lock_timeout', {}, false)").format(
+                    sql.Literal(f"{SLEEP_LOCK_TIMEOUT_MS}ms")
+                ),
+                conn,
+            )
+            await self._execute(sql.SQL("listen {}").format(sql.Identifier(self._channel)), conn)
             self._set_state(up=True)
             backoff.reset()
             log.info("listening on channel %s", self._channel)
@@ -180,7 +184,7 @@ class Listener:
                     self._wakeup.set("notify")
                 elif outcome == "quiet":
                     # Quiet for a whole keepalive: make sure the connection still works.
-                    await aio.call(_probe_or_break, conn, self._probe_timeout)
+                    await self._execute(sql.SQL("select 1"), conn)
         finally:
             # Not listening from here on, before the close below awaits: a publisher
             # asking to sleep meanwhile must hear DEAF at once, not wait for an answer.
@@ -199,18 +203,22 @@ class Listener:
         if self._want_sleep and not self._holding and self._answer is not None:
             self._answer_request(await self._take_sleep_lock(conn))
         elif not self._want_sleep and self._holding:
-            await aio.call(conn.execute, query(self._names, "idle_unlock"))
+            await self._execute(query(self._names, "idle_unlock"), conn)
             self._holding = False
 
     async def _take_sleep_lock(self, conn: psycopg.AsyncConnection[Any]) -> Sleep:
         try:
-            await aio.call(conn.execute, query(self._names, "idle_lock"))
+            await self._execute(query(self._names, "idle_lock"), conn)
         except psycopg.errors.LockNotAvailable:
-            cursor = await aio.call(conn.execute, query(self._names, "idle_sleeper"))
-            row = await aio.call(cursor.fetchone)
+            row = await self._execute(query(self._names, "idle_sleeper"), conn)
             return Sleep.SAFE_OTHER if row and row[0] else Sleep.BUSY
         self._holding = True
         return Sleep.SAFE
+
+    async def _execute(
+        self, statement: Query, conn: psycopg.AsyncConnection[Any]
+    ) -> tuple[Any, ...] | None:
+        return await aio.call(_execute_or_break, conn, statement, self._probe_timeout)
 
     def _answer_request(self, answer: Sleep) -> None:
         channel, self._answer = self._answer, None
