@@ -172,6 +172,9 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
         env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": database_url,
              "OUTBOX_RELAY_NATS_URL": nats_url, "OUTBOX_RELAY_METRICS_PORT": "0",
              "OUTBOX_RELAY_LOG_LEVEL": "warning"},
+        # Its own session: Ctrl-C reaches the demo, which stops the producer first
+        # and then the relay, in that order.
+        start_new_session=True,
     )  # fmt: skip
     print(f"relay running (pid {relay.pid}) against {redact_url(database_url)} and {nats_url}")
     print("producing orders; press Ctrl-C to stop\n")
@@ -190,7 +193,8 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        relay.terminate()
+        with contextlib.suppress(ProcessLookupError):  # it may have stopped by itself
+            relay.terminate()
         await relay.wait()
         with contextlib.suppress(Exception):
             await js.delete_stream(STREAM)

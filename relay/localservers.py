@@ -112,6 +112,9 @@ class ThrowawayPostgres:
             [*_as_postgres_user(), postgres_binary("pg_ctl"), "-D", str(self.data),
              "-l", str(self.log), "-w", "-t", "60", *args],
             check=True, capture_output=True,
+            # Its own session, so a Ctrl-C meant for the demo or bench (or a test
+            # run) does not reach the server; whoever started it stops it.
+            start_new_session=True,
         )  # fmt: skip
 
     def start(self) -> None:
@@ -151,6 +154,7 @@ class ThrowawayNats:
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-c", str(config),
              "-l", str(self.dir / "nats.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,  # as for Postgres: Ctrl-C is not for the server
         )  # fmt: skip
         wait_for_port(self.port)
 
