@@ -98,11 +98,18 @@ class Target:
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
             await c.execute(statement, params)
 
-    async def unpublished(self) -> int:
+    async def wait_until_drained(self, interval: float) -> None:
+        """Until no row is unpublished, asking every ``interval`` seconds on one
+        connection (a connection per look would compete with what is measured)."""
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
-            cur = await c.execute("select count(*) from outbox_events where published_at is null")
-            row = await cur.fetchone()
-            return int(row[0]) if row else 0
+            while True:
+                cur = await c.execute(
+                    "select exists (select 1 from outbox_events where published_at is null)"
+                )
+                row = await cur.fetchone()
+                if not (row and row[0]):
+                    return
+                await asyncio.sleep(interval)
 
     async def fill(self, rows: int, subjects: int = 1000) -> None:
         """A backlog of ``rows`` committed rows, inserted without notifying anyone."""

@@ -127,8 +127,7 @@ async def drain_rate(target: Target, rows: int, *, plain: bool = False) -> float
         await target.fill(rows)
         started = time.perf_counter()
         await target.execute("select pg_notify('outbox_events', '')")
-        while await target.unpublished() > 0:  # noqa: ASYNC110 - the table is the only signal
-            await asyncio.sleep(0.05)
+        await target.wait_until_drained(0.05)
         return rows / (time.perf_counter() - started)
 
 
@@ -136,8 +135,7 @@ async def drain_memory(target: Target, rows: int) -> float:
     """The relay's peak resident memory (MiB) while draining a backlog of ``rows``."""
     await target.fill(rows)
     async with RelayProcess(target.url, target.nats_url) as relay:
-        while await target.unpublished() > 0:  # noqa: ASYNC110 - the table is the only signal
-            await asyncio.sleep(0.2)
+        await target.wait_until_drained(0.2)
         return relay.peak_rss_mb()
 
 
