@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import nats
 import nats.errors
@@ -78,9 +79,30 @@ def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind
     return Acked(duplicate=bool(reply.get("duplicate", False)))
 
 
+class _Wave:
+    """The acks one wave waits for: a result slot per message, and one future that
+    is set when the last outstanding ack arrives (one wake-up per wave, not one per
+    message: each asyncio callback costs a trip through trio's scheduler)."""
+
+    __slots__ = ("done", "pending", "results", "tokens")
+
+    def __init__(self, size: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.results: list[PublishResult | None] = [None] * size
+        self.tokens: list[str] = []
+        self.pending = 0
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def settle(self, index: int, result: PublishResult) -> None:
+        if self.results[index] is None:
+            self.results[index] = result
+            self.pending -= 1
+            if self.pending == 0 and not self.done.done():
+                self.done.set_result(None)
+
+
 class _AckInbox:
     """Pipelined JetStream publishing: every message carries a reply subject under
-    one wildcard inbox, and each reply settles the future of its message.
+    one wildcard inbox, and each reply settles its message's slot in its wave.
 
     nats-py's own publish_async raises API errors inside its reply callback instead
     of failing the message's future, so a refused message would only surface as a
@@ -89,26 +111,27 @@ class _AckInbox:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._next = 0
-        self._futures: dict[str, asyncio.Future[PublishResult]] = {}
+        self._waiting: dict[str, tuple[_Wave, int]] = {}
 
-    def expect(self, loop: asyncio.AbstractEventLoop) -> tuple[str, asyncio.Future[PublishResult]]:
+    def expect(self, wave: _Wave, index: int) -> str:
+        """The reply subject for message ``index`` of ``wave``."""
         self._next += 1
         token = str(self._next)
-        future: asyncio.Future[PublishResult] = loop.create_future()
-        self._futures[token] = future
-        return token, future
+        self._waiting[token] = (wave, index)
+        wave.tokens.append(token)
+        wave.pending += 1
+        return self.prefix + token
 
-    def forget(self, token: str) -> None:
-        self._futures.pop(token, None)
-
-    def forget_cancelled(self) -> None:
-        for token in [t for t, f in self._futures.items() if f.done()]:
-            del self._futures[token]
+    def forget(self, wave: _Wave) -> None:
+        """Stop waiting for ``wave``'s outstanding acks (its deadline passed)."""
+        for token in wave.tokens:
+            self._waiting.pop(token, None)
 
     async def on_reply(self, msg: Msg) -> None:
-        future = self._futures.pop(msg.subject[len(self.prefix) :], None)
-        if future is not None and not future.done():
-            future.set_result(parse_ack(msg))
+        entry = self._waiting.pop(msg.subject[len(self.prefix) :], None)
+        if entry is not None:
+            wave, index = entry
+            wave.settle(index, parse_ack(msg))
 
 
 class Broker:
@@ -203,40 +226,26 @@ class Broker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         acks = await self._ack_inbox(nc)
-        sent: list[asyncio.Future[PublishResult] | Failed] = []
-        for message in messages:
-            token, future = acks.expect(loop)
+        wave = _Wave(len(messages), loop)
+        for index, message in enumerate(messages):
+            reply = acks.expect(wave, index)
             try:
                 await nc.publish(
-                    message.subject,
-                    message.body,
-                    reply=acks.prefix + token,
-                    headers=dict(message.headers),
+                    message.subject, message.body, reply=reply, headers=message.headers
                 )
             except Exception as exc:  # noqa: BLE001 - every failure becomes a value
-                acks.forget(token)
-                sent.append(classify(exc))
-            else:
-                sent.append(future)
-        waiting = [item for item in sent if isinstance(item, asyncio.Future)]
-        if waiting:
-            await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()))
-        connected = self.connected
-        results: list[PublishResult] = []
-        for item in sent:
-            if isinstance(item, Failed):
-                results.append(item)
-            elif item.done():
-                results.append(item.result())
-            else:
-                item.cancel()
-                results.append(
-                    Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
-                    if connected
-                    else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
-                )
-        acks.forget_cancelled()
-        return results
+                wave.settle(index, classify(exc))
+        if wave.pending:
+            await asyncio.wait([wave.done], timeout=max(0.0, deadline - loop.time()))
+        acks.forget(wave)
+        if not wave.pending:
+            return cast("list[PublishResult]", wave.results)
+        missing = (
+            Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
+            if self.connected
+            else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
+        )
+        return [missing if result is None else result for result in wave.results]
 
     async def _ack_inbox(self, nc: Client) -> _AckInbox:
         if self._acks is None:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from json.encoder import encode_basestring
 
 from relay.model import OutboxRow
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
-# One encoder for every message: json.dumps with options builds a new one per call.
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+# ``encode_basestring`` is the C routine json.dumps(ensure_ascii=False) uses for a
+# string: a quoted, escaped JSON string. The envelope is assembled from it directly,
+# which costs a quarter of building a dict and encoding it (this runs once per row).
+_quote = encode_basestring
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,26 +29,27 @@ class Message:
         return header_bytes + len(self.body)
 
 
-def rfc3339(moment: datetime) -> str:
-    return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
-
-
-def build_message(row: OutboxRow) -> Message:
-    """The envelope for ``row``: the row's id is the envelope id and the dedupe key
-    (``Nats-Msg-Id``), so a republish inside the stream's duplicate window is dropped
-    by the broker and anywhere else by the consumer."""
-    head = _ENCODER.encode(
-        {
-            "specversion": "1.0",
-            "id": str(row.id),
-            "type": row.event_type,
-            "source": row.source,
-            "subject": row.subject,
-            "time": rfc3339(row.time),
-            "datacontenttype": "application/json",
-        }
-    )
+def build_message(row: OutboxRow, time: str) -> Message:
+    """The envelope for ``row`` (whose RFC 3339 ``time`` the caller checked): the
+    row's id is the envelope id and the dedupe key (``Nats-Msg-Id``), so a republish
+    inside the stream's duplicate window is dropped by the broker and anywhere else
+    by the consumer."""
+    row_id = str(row.id)
     # ``data`` arrives as jsonb's own text rendering, which is valid JSON: splice it in
     # rather than parse and re-serialise every payload.
-    body = f'{head[:-1]},"data":{row.data}}}'.encode()
-    return Message(row.event_type, body, {MSG_ID_HEADER: str(row.id)})
+    body = (
+        '{"specversion":"1.0","id":"'
+        + row_id
+        + '","type":'
+        + _quote(row.event_type)
+        + ',"source":'
+        + _quote(row.source)
+        + ',"subject":'
+        + _quote(row.subject)
+        + ',"time":"'
+        + time
+        + '","datacontenttype":"application/json","data":'
+        + row.data
+        + "}"
+    )
+    return Message(row.event_type, body.encode(), {MSG_ID_HEADER: row_id})

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from datetime import datetime
 from uuid import UUID
 
 
 @dataclass(frozen=True, slots=True)
 class OutboxRow:
-    """One claimed ``outbox_events`` row. ``data`` is the jsonb payload as JSON text."""
+    """One claimed ``outbox_events`` row, as the claim query renders it: ``data`` is
+    the jsonb payload as JSON text, ``time`` the RFC 3339 text of the envelope's time
+    in UTC (None when RFC 3339 cannot express it), ``created_at`` epoch seconds."""
 
     id: UUID
     event_type: str
     source: str
     subject: str
-    time: datetime
+    time: str | None
     data: str
-    created_at: datetime
+    created_at: float
     attempts: int
 
     @property
-    def order_key(self) -> tuple[datetime, UUID]:
+    def order_key(self) -> tuple[float, UUID]:
         """Rows are published in this order. ``id`` breaks ``created_at`` ties, which
         every row inserted by one transaction shares (``now()`` is the transaction's
         start), so the order is total and the same in SQL and in Python: Postgres
@@ -37,6 +38,7 @@ class FailureReason(enum.StrEnum):
     NO_STREAM = "no_stream"
     TOO_LARGE = "too_large"
     INVALID_SUBJECT = "invalid_subject"
+    INVALID_TIME = "invalid_time"
     DISCONNECTED = "disconnected"
     OTHER = "other"
 
@@ -48,7 +50,12 @@ class FailureReason(enum.StrEnum):
 
 
 _PERMANENT = frozenset(
-    {FailureReason.NO_STREAM, FailureReason.TOO_LARGE, FailureReason.INVALID_SUBJECT}
+    {
+        FailureReason.NO_STREAM,
+        FailureReason.TOO_LARGE,
+        FailureReason.INVALID_SUBJECT,
+        FailureReason.INVALID_TIME,
+    }
 )
 
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from uuid import UUID
 
 from relay.model import OutboxRow
 
-OrderKey = tuple[datetime, UUID]
+OrderKey = tuple[float, UUID]  # (created_at in epoch seconds, id)
 
 
 def held_behind_blockers(rows: Iterable[OutboxRow], blockers: Mapping[str, OrderKey]) -> set[UUID]:

@@ -7,9 +7,10 @@ are marked where they are.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import Counter
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from uuid import UUID
 
 import trio
@@ -26,7 +27,7 @@ from relay.health import Health
 from relay.listener import Listener, Sleep
 from relay.marks import Marks, decide_marks
 from relay.metrics import Metrics
-from relay.model import Acked, Failed, OutboxRow, PublishResult
+from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
 from relay.ordering import SubjectQueues, held_behind_blockers
 from relay.publishable import rejection
 from relay.wakeup import Wakeup
@@ -66,6 +67,8 @@ def sleep_retry_pause(busy_streak: int) -> float:
         return 0.0
     return min(0.001 * 2.0 ** min(busy_streak - 2, 30), SLEEP_RETRY_MAX)
 
+
+INVALID_TIME_DETAIL = "time cannot be written in RFC 3339 (infinite, or outside the years 1-9999)"
 
 # When every claimed row had to wait for another relay's batch, try again after this
 # long rather than at once: the other batch is done within publish_timeout, and
@@ -239,7 +242,10 @@ class Publisher:
         max_payload = self._broker.max_payload
         sendable: list[OutboxRow] = []
         for row in rows:
-            message = build_message(row)
+            if row.time is None:
+                results[row.id] = Failed(FailureReason.INVALID_TIME, INVALID_TIME_DETAIL)
+                continue
+            message = build_message(row, row.time)
             rejected = rejection(row.event_type, message.wire_size, max_payload)
             if rejected is not None:
                 results[row.id] = Failed(*rejected)
@@ -270,7 +276,7 @@ class Publisher:
         """Metrics and logs for a committed batch: only what the table now says."""
         by_id = {row.id: row for row in rows}
         dead = {row.id for row, _ in marks.newly_dead}
-        now = datetime.now(UTC)
+        now = time.time()
         published: Counter[str] = Counter()
         duplicates = 0
         for row_id, result in results.items():
@@ -278,8 +284,9 @@ class Publisher:
             if isinstance(result, Acked):
                 published[row.event_type] += 1
                 duplicates += result.duplicate
-                latency = (now - row.created_at).total_seconds()
-                self._metrics.publish_latency.observe(max(latency, 0.0))
+                latency = now - row.created_at
+                if latency < math.inf:  # a created_at of -infinity has no latency
+                    self._metrics.publish_latency.observe(max(latency, 0.0))
                 continue
             self._metrics.publish_failures.labels(
                 event_type=self._metrics.event_type(row.event_type),

@@ -7,14 +7,23 @@
 -- on. A row waiting out its backoff is not claimed, and neither is any later row
 -- of its subject (per-subject order); a row at the cap holds nothing up.
 --
+-- Timestamps leave the database as text and numbers the relay can always read:
+-- ``time`` as the envelope's RFC 3339 text (null when RFC 3339 cannot express it:
+-- infinite, or outside years 1-9999), ``created_at`` as epoch seconds (float8 keeps
+-- microsecond order for any date near now, and turns +-infinity into +-inf). A
+-- datetime column would fail the whole claim on a row Python's datetime cannot hold.
+--
 -- The same statement also returns, for each subject of the batch, the earliest
 -- unpublished live row that is not in the batch (blocker = true): another relay
 -- holds it, or it committed after this statement's snapshot was taken by a
 -- concurrent claim. Claimed rows behind it must wait. A plain read sees rows
 -- other relays have locked without waiting for them.
 with claimed as materialized (
-  select o.id, o.event_type, o.source, o.subject, o.time, o.data::text as data,
-         o.created_at, o.attempts
+  select o.id, o.event_type, o.source, o.subject,
+         case when o.time >= '0001-01-01 00:00:00+00' and o.time < '10000-01-01 00:00:00+00'
+              then to_char(o.time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+         end as time,
+         o.data::text as data, o.created_at, o.attempts
     from {table} o
    where o.published_at is null
      and o.attempts < %(max_attempts)s
@@ -32,11 +41,13 @@ with claimed as materialized (
    limit %(batch_size)s
      for update of o skip locked
 )
-select false as blocker, id, event_type, source, subject, time, data, created_at, attempts
+select false as blocker, id, event_type, source, subject, time, data,
+       extract(epoch from created_at)::float8 as created_at, attempts
   from claimed
 union all
 (select distinct on (e.subject)
-        true, e.id, null, null, e.subject, null, null, e.created_at, null
+        true, e.id, null, null, e.subject, null, null,
+        extract(epoch from e.created_at)::float8, null
    from {table} e
   where e.published_at is null
     and e.attempts < %(max_attempts)s

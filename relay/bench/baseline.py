@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from datetime import datetime
 from uuid import UUID
 
 import nats
@@ -16,7 +15,9 @@ from relay.envelope import build_message
 from relay.model import OutboxRow
 
 CLAIM = (
-    "select id, event_type, source, subject, time, data::text, created_at, attempts "
+    "select id, event_type, source, subject, "
+    "to_char(time at time zone 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), data::text, "
+    "extract(epoch from created_at)::float8, attempts "
     "from outbox_events where published_at is null order by created_at limit %s "
     "for update skip locked"
 )
@@ -30,10 +31,10 @@ async def plain_poller(url: str, nats_url: str, stop: asyncio.Event, batch: int 
             while not stop.is_set():
                 async with conn.transaction():
                     cursor = await conn.execute(CLAIM, (batch,))
-                    rows: list[tuple[UUID, str, str, str, datetime, str, datetime, int]]
+                    rows: list[tuple[UUID, str, str, str, str, str, float, int]]
                     rows = await cursor.fetchall()
                     for row in rows:
-                        message = build_message(OutboxRow(*row))
+                        message = build_message(OutboxRow(*row), row[4])
                         try:
                             await js.publish(
                                 message.subject, message.body, headers=message.headers, timeout=5

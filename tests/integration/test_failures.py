@@ -159,6 +159,54 @@ def test_payload_over_max_payload_goes_to_the_cap_at_once(db_url, stream, start_
     )
 
 
+def test_timestamps_python_cannot_hold_stop_only_their_own_rows(db_url, stream, start_relay):
+    # Postgres accepts infinities and years past 9999; Python's datetime does not. A
+    # claim that loaded them as datetimes failed as a whole, for every row behind them.
+    relay = start_relay(max_attempts=20)
+    rows = {
+        "time infinity": ("'infinity'", "now()"),
+        "time year 12000": ("'12000-01-01 00:00:00+00'", "now()"),
+        "created_at -infinity": ("now()", "'-infinity'"),
+        "created_at infinity": ("now()", "'infinity'"),
+        "good 1": ("now()", "clock_timestamp()"),
+        "good 2": ("now()", "clock_timestamp()"),
+    }
+    ids = {}
+    with psycopg.connect(db_url) as conn:
+        for label, (moment, created) in rows.items():
+            ids[label] = conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                f"created_at) values (gen_random_uuid(), %s, 't', %s, {moment}::timestamptz, "
+                f"'{{}}', {created}::timestamptz) returning id::text",
+                (stream.subject("times"), label),
+            ).fetchone()[0]
+        conn.commit()
+
+    def four_delivered():
+        got = {m.msg_id for m in stream.read()}
+        return got if len(got) == 4 else None
+
+    delivered = wait_until(four_delivered, message="the four rows with a valid time")
+    assert delivered == {ids[k] for k in rows if not k.startswith("time ")}
+    with psycopg.connect(db_url) as conn:
+        dead = dict(
+            conn.execute(
+                "select id::text, relay_last_error from outbox_events "
+                "where published_at is null and attempts = 20"
+            ).fetchall()
+        )
+    assert dead.keys() == {ids["time infinity"], ids["time year 12000"]}
+    assert all(error.startswith("invalid_time") for error in dead.values()), dead
+    assert (
+        relay.metric(
+            "outbox_relay_dead_marked_total",
+            event_type=stream.subject("times"),
+            reason="invalid_time",
+        )
+        == 2
+    )
+
+
 def test_failing_row_holds_its_subject_back_and_nothing_else(db_url, stream, refusing, start_relay):
     start_relay(backoff_base="200ms", backoff_max="400ms", max_attempts=1000, poll_interval="50ms")
     first = Event(stream.subject("ok"), "account-1", {"n": 1})

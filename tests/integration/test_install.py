@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from relay.config import Config
+from relay.database import Database
 from relay.sqlfiles import Names, query
 from tests.support import database
 from tests.support.servers import SHARED_PG_URL
@@ -212,3 +213,29 @@ def test_claim_query_uses_the_partial_index_on_a_large_table(db_url):
         )
     assert "outbox_events_unpublished_idx" in plan, plan
     assert "Seq Scan on outbox_events o" not in plan, plan
+
+
+def test_claim_walks_the_index_even_before_the_table_is_analyzed(db_url):
+    # A backlog that lands on a table whose statistics say "empty" (a new table, a
+    # burst after a truncate): the planner, left alone, bitmap-scans and sorts the
+    # whole backlog for every claim. The relay's session settings keep it on the
+    # ordered index scan that stops at the batch size.
+    settings = Database(Config(database_url=db_url)).session_settings
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("analyze outbox_events")  # statistics of an empty table
+        conn.execute("""
+            insert into outbox_events (id, event_type, source, subject, time, data)
+            select gen_random_uuid(), 'a.b', 's', 'e' || (g % 1000), now(), '{}'
+              from generate_series(1, 50000) g""")
+        for name, value in settings.items():
+            conn.execute("select set_config(%s, %s, false)", (name, value))
+        names = Names.for_config(Config())
+        plan = "\n".join(
+            line
+            for (line,) in conn.execute(
+                psycopg.sql.SQL("explain (analyze, timing off) ") + query(names, "claim"),
+                {"batch_size": 500, "max_attempts": 20},
+            ).fetchall()
+        )
+    assert "Index Scan using outbox_events_unpublished_idx on outbox_events o" in plan, plan
+    assert "Bitmap Heap Scan on outbox_events o" not in plan, plan

@@ -5,19 +5,24 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from relay.backoff import ReconnectBackoff, row_retry_delay
-from relay.envelope import MSG_ID_HEADER, build_message, rfc3339
+from relay.envelope import MSG_ID_HEADER, build_message
 from relay.marks import decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
 from relay.ordering import SubjectQueues, held_behind_blockers
 from relay.publishable import rejection, size_problem, subject_problem
 from relay.publisher import linger_for, sleep_retry_pause
 
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
+T0 = 1_767_225_600.0  # created_at, epoch seconds: 2026-01-01T00:00:00Z
+TIME = "2026-01-01T00:00:00.000000Z"  # time, as the claim query renders it
+
+
+def build(r: OutboxRow):
+    assert r.time is not None
+    return build_message(r, r.time)
 
 
 def row(
@@ -33,9 +38,9 @@ def row(
         event_type,
         "src",
         subject,
-        T0,
+        TIME,
         data,
-        T0 + timedelta(seconds=seconds),
+        T0 + seconds,
         attempts,
     )
 
@@ -115,12 +120,12 @@ class TestEnvelope:
             "billing.paid",
             "billing",
             "invoice/1",
-            datetime(2026, 3, 4, 5, 6, 7, 890000, tzinfo=UTC),
+            "2026-03-04T05:06:07.890000Z",
             '{"b": [1, 2], "a": "ü"}',
             T0,
             0,
         )
-        message = build_message(r)
+        message = build(r)
         assert message.subject == "billing.paid"
         assert message.headers == {MSG_ID_HEADER: str(r.id)}
         assert json.loads(message.body) == {
@@ -134,20 +139,23 @@ class TestEnvelope:
             "data": {"b": [1, 2], "a": "ü"},
         }
 
-    def test_time_is_converted_to_utc(self):
-        tz = datetime(2026, 1, 1, 12, tzinfo=UTC).astimezone().tzinfo
-        moment = datetime(2026, 1, 1, 12, tzinfo=UTC).astimezone(tz)
-        assert rfc3339(moment) == "2026-01-01T12:00:00Z"
+    @pytest.mark.parametrize(
+        "text", ['quote " back \\ slash', "tab\tnewline\ncontrol\x01", "ünï 😀 \u2028", ""]
+    )
+    def test_odd_text_columns_are_escaped(self, text):
+        r = OutboxRow(uuid.uuid4(), text, text, text, TIME, "{}", T0, 0)
+        body = json.loads(build(r).body)
+        assert (body["type"], body["source"], body["subject"]) == (text, text, text)
 
     @pytest.mark.parametrize(
         "data", ["null", "3", '"text"', "[]", '{"k": "\\u0000 odd \\" quote"}']
     )
     def test_any_json_value_splices_into_valid_json(self, data):
-        body = json.loads(build_message(row(data=data)).body)
+        body = json.loads(build(row(data=data)).body)
         assert body["data"] == json.loads(data)
 
     def test_wire_size_counts_headers_and_body(self):
-        message = build_message(row())
+        message = build(row())
         header_block = (
             b"NATS/1.0\r\n"
             + f"{MSG_ID_HEADER}: {message.headers[MSG_ID_HEADER]}\r\n".encode()
@@ -159,13 +167,13 @@ class TestEnvelope:
 class TestOrdering:
     def test_rows_behind_an_outside_blocker_are_held(self):
         a1, a2, b1 = row("a", seconds=1), row("a", seconds=3), row("b", seconds=2)
-        blockers = {"a": (T0 + timedelta(seconds=2), uuid.UUID(int=0))}
+        blockers = {"a": (T0 + 2, uuid.UUID(int=0))}
         assert held_behind_blockers([a1, a2, b1], blockers) == {a2.id}
 
     def test_ties_on_created_at_are_broken_by_id(self):
         low, high = uuid.UUID(int=1), uuid.UUID(int=2)
-        first = OutboxRow(low, "t", "s", "a", T0, "{}", T0, 0)
-        second = OutboxRow(high, "t", "s", "a", T0, "{}", T0, 0)
+        first = OutboxRow(low, "t", "s", "a", TIME, "{}", T0, 0)
+        second = OutboxRow(high, "t", "s", "a", TIME, "{}", T0, 0)
         assert held_behind_blockers([second], {"a": first.order_key}) == {high}
         assert held_behind_blockers([first], {"a": second.order_key}) == set()
 
