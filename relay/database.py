@@ -141,7 +141,12 @@ class Transaction:
         """The next batch, and the rows outside it that hold some of it back."""
         found = await self._fetch("claim", {"batch_size": batch_size, "max_attempts": max_attempts})
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
-        blockers = {row[4]: (row[7], row[1]) for row in found if row[0]}
+        blockers: dict[str, OrderKey] = {}
+        for row in found:
+            if row[0]:
+                key = (row[7], row[1])
+                if row[4] not in blockers or key < blockers[row[4]]:
+                    blockers[row[4]] = key
         return Claim(rows, blockers)
 
     async def mark_and_commit(

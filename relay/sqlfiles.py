@@ -77,9 +77,12 @@ class Names:
 
     table: sql.Identifier
     unpublished_idx: sql.Identifier
-    backoff_idx: sql.Identifier
+    retry_idx: sql.Identifier
     published_idx: sql.Identifier
-    backoff_idx_qualified: sql.Identifier
+    retry_idx_qualified: sql.Identifier
+    # The index of rows in backoff before 0.2 (predicate: unpublished and in backoff),
+    # dropped by install: see sql/install/002.
+    old_backoff_idx_qualified: sql.Identifier
     published_idx_qualified: sql.Identifier
     notify_function: sql.Identifier
     notify_trigger: sql.Identifier
@@ -101,9 +104,10 @@ class Names:
         return cls(
             table=sql.Identifier(*config.table),
             unpublished_idx=sql.Identifier(f"{base}_unpublished_idx"),
-            backoff_idx=sql.Identifier(f"{base}_relay_backoff_idx"),
+            retry_idx=sql.Identifier(f"{base}_relay_retry_idx"),
             published_idx=sql.Identifier(f"{base}_relay_published_idx"),
-            backoff_idx_qualified=sql.Identifier(*schema, f"{base}_relay_backoff_idx"),
+            retry_idx_qualified=sql.Identifier(*schema, f"{base}_relay_retry_idx"),
+            old_backoff_idx_qualified=sql.Identifier(*schema, f"{base}_relay_backoff_idx"),
             published_idx_qualified=sql.Identifier(*schema, f"{base}_relay_published_idx"),
             notify_function=sql.Identifier(*schema, f"{base}_relay_notify"),
             notify_trigger=sql.Identifier(f"{base}_relay_notify"),
@@ -114,7 +118,8 @@ class Names:
             catalog_names={
                 "table": sql.Literal(_quoted(*config.table)),
                 "unpublished_idx": sql.Literal(_quoted(*schema, f"{base}_unpublished_idx")),
-                "backoff_idx": sql.Literal(_quoted(*schema, f"{base}_relay_backoff_idx")),
+                "retry_idx": sql.Literal(_quoted(*schema, f"{base}_relay_retry_idx")),
+                "old_backoff_idx": sql.Literal(_quoted(*schema, f"{base}_relay_backoff_idx")),
                 "published_idx": sql.Literal(_quoted(*schema, f"{base}_relay_published_idx")),
             },
         )
@@ -124,13 +129,15 @@ class Names:
             table=self.table,
             table_name=self.catalog_names["table"],
             unpublished_idx_name=self.catalog_names["unpublished_idx"],
-            backoff_idx_name=self.catalog_names["backoff_idx"],
+            retry_idx_name=self.catalog_names["retry_idx"],
+            old_backoff_idx_name=self.catalog_names["old_backoff_idx"],
             published_idx_name=self.catalog_names["published_idx"],
             trigger_name=sql.Literal(self.trigger_name),
             unpublished_idx=self.unpublished_idx,
-            backoff_idx=self.backoff_idx,
+            retry_idx=self.retry_idx,
             published_idx=self.published_idx,
-            backoff_idx_qualified=self.backoff_idx_qualified,
+            retry_idx_qualified=self.retry_idx_qualified,
+            old_backoff_idx_qualified=self.old_backoff_idx_qualified,
             published_idx_qualified=self.published_idx_qualified,
             notify_function=self.notify_function,
             notify_trigger=self.notify_trigger,

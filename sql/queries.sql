@@ -13,11 +13,12 @@
 -- microsecond order for any date near now, and turns +-infinity into +-inf). A
 -- datetime column would fail the whole claim on a row Python's datetime cannot hold.
 --
--- The same statement also returns, for each subject of the batch, the earliest
--- unpublished live row that is not in the batch (blocker = true): another relay
--- holds it, or it committed after this statement's snapshot was taken by a
--- concurrent claim. Claimed rows behind it must wait. A plain read sees rows
--- other relays have locked without waiting for them.
+-- The same statement also returns the unpublished live rows of the batch's
+-- subjects that are not in the batch but not later than it (blocker = true):
+-- another relay holds them, or they committed after this statement's snapshot was
+-- taken by a concurrent claim. Claimed rows behind the earliest of their subject
+-- must wait (the relay picks that one: a DISTINCT ON here would need a sort). A
+-- plain read sees rows other relays have locked without waiting for them.
 with claimed as materialized (
   select o.id, o.event_type, o.source, o.subject,
          case when o.time >= '0001-01-01 00:00:00+00' and o.time < '10000-01-01 00:00:00+00'
@@ -29,14 +30,16 @@ with claimed as materialized (
      and o.attempts < %(max_attempts)s
      and (o.relay_retry_at is null or o.relay_retry_at <= now())
      and not exists (
+           -- No "published_at is null" here: see the retry index in install/002.
+           -- A row in backoff is unpublished (marking a row published clears
+           -- relay_retry_at, and so does requeue).
            select 1
              from {table} b
             where b.subject = o.subject
-              and b.published_at is null
-              and b.relay_retry_at is not null
               and b.relay_retry_at > now()
               and b.attempts < %(max_attempts)s
-              and (b.created_at, b.id) < (o.created_at, o.id))
+              and (b.created_at, b.id) < (o.created_at, o.id)
+           offset 0)
    order by o.created_at, o.id
    limit %(batch_size)s
      for update of o skip locked
@@ -45,16 +48,18 @@ select false as blocker, id, event_type, source, subject, time, data,
        extract(epoch from created_at)::float8 as created_at, attempts
   from claimed
 union all
-(select distinct on (e.subject)
-        true, e.id, null, null, e.subject, null, null,
-        extract(epoch from e.created_at)::float8, null
-   from {table} e
-  where e.published_at is null
-    and e.attempts < %(max_attempts)s
-    and e.created_at <= (select max(created_at) from claimed)
-    and e.subject in (select subject from claimed)
-    and e.id not in (select id from claimed)
-  order by e.subject, e.created_at, e.id);
+select true, e.id, null, null, e.subject, null, null,
+       extract(epoch from e.created_at)::float8, null
+  from {table} e
+ where e.published_at is null
+   and e.attempts < %(max_attempts)s
+   and e.created_at <= (select max(created_at) from claimed)
+   -- Rows sharing the batch's last created_at (one big transaction) but after it
+   -- in id order come later: they block nothing, and there may be thousands.
+   and (e.created_at, e.id) < (select c.created_at, c.id from claimed c
+                                order by c.created_at desc, c.id desc limit 1)
+   and e.subject in (select subject from claimed)
+   and e.id not in (select id from claimed);
 
 -- name: mark_published
 update {table}

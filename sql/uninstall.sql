@@ -4,5 +4,6 @@
 -- rows (drop them by hand once no relay runs, if you must).
 drop trigger if exists {notify_trigger} on {table};
 drop function if exists {notify_function}();
-drop index if exists {backoff_idx_qualified};
+drop index if exists {retry_idx_qualified};
+drop index if exists {old_backoff_idx_qualified};
 drop index if exists {published_idx_qualified};

@@ -23,12 +23,25 @@ begin
   end if;
 
   -- Rows waiting out a backoff, by subject: the claim query asks "does an earlier
-  -- row of this subject wait?" through this index. Producers insert rows with
-  -- relay_retry_at null, so their inserts never touch it.
-  if to_regclass({backoff_idx_name}) is null then
-    create index {backoff_idx}
+  -- row of this subject wait?" through this index, once per row it considers.
+  -- Producers insert rows with relay_retry_at null, so their inserts never touch it.
+  -- Its predicate is relay_retry_at alone (the relay clears it when it marks a row
+  -- published), so the claim's question can be answered by this index and by no
+  -- other: an index with "published_at is null" in its predicate, like the
+  -- unpublished index, would let a planner misled by stale statistics rescan the
+  -- whole backlog for every row it considers (seen here: a claim over a 50,000-row
+  -- burst on a table last analyzed while drained ran past the statement timeout).
+  if to_regclass({retry_idx_name}) is null then
+    create index {retry_idx}
       on {table} (subject, created_at, id)
-      where published_at is null and relay_retry_at is not null;
+      where relay_retry_at is not null;
+  end if;
+
+  -- Installs before this index had one with "published_at is null and
+  -- relay_retry_at is not null": the claim no longer uses it, and it would only
+  -- cost the relay's marks. Dropping it locks the table briefly, once.
+  if to_regclass({old_backoff_idx_name}) is not null then
+    drop index {old_backoff_idx_qualified};
   end if;
 
   -- Spent rows by age, for retention. Producers insert rows with published_at
