@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from json.encoder import encode_basestring
+from typing import NamedTuple
 
 from relay.model import OutboxRow
 
@@ -15,8 +15,9 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 _quote = encode_basestring
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
+    """One message to publish (a named tuple: one is built per row)."""
+
     subject: str
     body: bytes
     headers: dict[str, str]
