@@ -112,6 +112,14 @@ async def _execute_and_commit(
         await conn.commit()
 
 
+async def _execute_and_fetch(
+    conn: psycopg.AsyncConnection[Any], statement: sql.Composed, params: dict[str, Any]
+) -> list[tuple[Any, ...]]:
+    """asyncio side: one crossing from trio for the statement and its rows."""
+    cursor = await conn.execute(statement, params)
+    return await cursor.fetchall()
+
+
 @dataclass(frozen=True)
 class Claim:
     rows: list[OutboxRow]
@@ -134,8 +142,7 @@ class Transaction:
 
     async def _fetch(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         async with translated(name):
-            cursor = await aio.call(self._conn.execute, query(self._names, name), params)
-            return await aio.call(cursor.fetchall)
+            return await aio.call(_execute_and_fetch, self._conn, query(self._names, name), params)
 
     async def claim(self, batch_size: int, max_attempts: int) -> Claim:
         """The next batch, and the rows outside it that hold some of it back."""
