@@ -71,6 +71,25 @@ def test_install_twice_changes_nothing(empty_db):
     ) in indexes
 
 
+def test_install_replaces_the_old_backoff_index_with_the_retry_index(empty_db):
+    # Installs before the retry index had one whose predicate the claim's backoff
+    # probe can no longer use: install drops it and creates the retry index.
+    assert cli("install", url=empty_db).returncode == 0
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("drop index outbox_events_relay_retry_idx")
+        conn.execute(
+            "create index outbox_events_relay_backoff_idx on outbox_events "
+            "(subject, created_at, id) where published_at is null and relay_retry_at is not null"
+        )
+    assert cli("install", url=empty_db).returncode == 0
+    indexes = " ".join(c for k, c in database.fetch(empty_db, CATALOG) if k == "index")
+    assert "outbox_events_relay_backoff_idx" not in indexes
+    assert (
+        "CREATE INDEX outbox_events_relay_retry_idx ON public.outbox_events USING btree "
+        "(subject, created_at, id) WHERE (relay_retry_at IS NOT NULL)"
+    ) in indexes
+
+
 def test_reinstall_beside_open_producer_transactions_takes_no_table_lock(db_url):
     """Install runs on every deploy, beside live producers and relays: on an installed
     table it must not wait for (or block) anyone."""
