@@ -80,8 +80,8 @@ class Names:
     retry_idx: sql.Identifier
     published_idx: sql.Identifier
     retry_idx_qualified: sql.Identifier
-    # The index of rows in backoff before 0.2 (predicate: unpublished and in backoff),
-    # dropped by install: see sql/install/002.
+    # The backoff index of installs made before the retry index (predicate:
+    # unpublished and in backoff); install drops it, see sql/install/002.
     old_backoff_idx_qualified: sql.Identifier
     published_idx_qualified: sql.Identifier
     notify_function: sql.Identifier
