@@ -1,4 +1,5 @@
-"""Whether a row can ever be published: subject grammar and message size.
+"""Whether a row can ever be published: subject grammar, message size, and a time
+the envelope can carry.
 
 A row that fails these checks is rejected before it reaches the broker, so it
 never burns retries or holds up the rows behind it.
@@ -11,6 +12,13 @@ import functools
 from relay.model import FailureReason
 
 _WHITESPACE = frozenset(" \t\r\n\f\v")
+
+# The claim query renders a row's time as RFC 3339 text, or null when RFC 3339
+# cannot write it (Postgres accepts infinities and years past 9999).
+UNWRITABLE_TIME = (
+    FailureReason.INVALID_TIME,
+    "time cannot be written in RFC 3339 (infinite, or outside the years 1-9999)",
+)
 
 
 @functools.lru_cache(maxsize=4096)  # event types repeat: check each one once

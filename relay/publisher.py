@@ -27,9 +27,9 @@ from relay.health import Health
 from relay.listener import Listener, Sleep
 from relay.marks import Marks, decide_marks
 from relay.metrics import Metrics
-from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
+from relay.model import Acked, Failed, OutboxRow, PublishResult
 from relay.ordering import SubjectQueues, held_behind_blockers
-from relay.publishable import rejection
+from relay.publishable import UNWRITABLE_TIME, rejection
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,6 @@ def sleep_retry_pause(busy_streak: int) -> float:
         return 0.0
     return min(0.001 * 2.0 ** min(busy_streak - 2, 30), SLEEP_RETRY_MAX)
 
-
-INVALID_TIME_DETAIL = "time cannot be written in RFC 3339 (infinite, or outside the years 1-9999)"
 
 # When every claimed row had to wait for another relay's batch, try again after this
 # long rather than at once: the other batch is done within publish_timeout, and
@@ -243,7 +241,7 @@ class Publisher:
         sendable: list[OutboxRow] = []
         for row in rows:
             if row.time is None:
-                results[row.id] = Failed(FailureReason.INVALID_TIME, INVALID_TIME_DETAIL)
+                results[row.id] = Failed(*UNWRITABLE_TIME)
                 continue
             message = build_message(row, row.time)
             rejected = rejection(row.event_type, message.wire_size, max_payload)

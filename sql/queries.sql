@@ -55,6 +55,11 @@ claimed as materialized (
     from {table} o
    where o.published_at is null
      and o.created_at <= coalesce((select created_at from horizon), 'infinity')
+     -- The horizon's filter again, and it must stay the same: a row is locked by
+     -- this scan, and only this scan's conditions are checked again on a row that
+     -- changed (another relay published it) while the statement ran. Claiming the
+     -- horizon's rows by id instead would also cut a tie group (one transaction's
+     -- rows share created_at) in index order rather than id order.
      and o.attempts < %(max_attempts)s
      and (o.relay_retry_at is null or o.relay_retry_at <= now())
      and not exists (
