@@ -308,3 +308,33 @@ def test_one_big_transaction_is_claimed_without_blockers(db_url):
         conn.rollback()
     assert len(found) == 500
     assert not any(row[0] for row in found)  # no blockers
+
+
+def test_claim_beside_another_batch_on_stale_statistics_hashes_the_subjects(db_url):
+    # Another batch holds the first rows of a burst (another replica's, or this relay's
+    # previous batch still in flight): its rows are unpublished, not later than this
+    # batch, and not in it, so the blocker scan reads every one of them and asks
+    # whether its subject is in the batch. On statistics from before the burst the
+    # planner expected a handful of claimed rows and answered with a nested loop over
+    # them: 500 x 500 comparisons, 60 ms a claim. The question must be a hash lookup.
+    settings = Database(Config(database_url=db_url)).session_settings
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("analyze outbox_events")
+        conn.execute("""
+            insert into outbox_events (id, event_type, source, subject, time, data, created_at)
+            select gen_random_uuid(), 'a.b', 's', 'e' || (g % 1000), now(), '{}',
+                   clock_timestamp()
+              from generate_series(1, 50000) g""")
+    with psycopg.connect(db_url) as other, psycopg.connect(db_url) as conn:
+        for session in (other, conn):
+            for name, value in settings.items():
+                session.execute("select set_config(%s, %s, false)", (name, value))
+            session.commit()
+        held = other.execute(
+            query(Names.for_config(Config()), "claim"), {"batch_size": 500, "max_attempts": 20}
+        ).fetchall()
+        assert len(held) == 500
+        plan = claim_plan(conn)
+        other.rollback()
+    assert "Nested Loop" not in plan, plan
+    assert re.search(r"\(hashed SubPlan \d+\) IS TRUE", plan), plan
