@@ -209,20 +209,15 @@ class Broker:
                 log.debug("closing NATS: %s", exc)
 
     async def publish_wave(self, messages: Sequence[Message], budget: float) -> list[PublishResult]:
-        """Publish ``messages`` pipelined and wait up to ``budget`` seconds for their
-        acks. One result per message, in order; never raises for a message.
+        """asyncio side: publish ``messages`` pipelined and wait up to ``budget``
+        seconds for their acks. One result per message, in order; never raises for a
+        message.
 
-        The budget is explicit, not a trio cancel scope, because cancelling would
-        throw away the acks that did arrive; each of those is a row to mark."""
-        if self._js is None or not self.connected:
+        The budget is explicit, not a cancellation, because cancelling would throw
+        away the acks that did arrive; each of those is a row to mark."""
+        nc = self._nc
+        if nc is None or self._js is None or not self.connected:
             return [Failed(FailureReason.DISCONNECTED, "not connected to NATS")] * len(messages)
-        assert self._nc is not None  # connected, checked above
-        results = await aio.call(self._publish_all, self._nc, messages, budget)
-        return await self._confirm_no_stream(messages, results)
-
-    async def _publish_all(
-        self, nc: Client, messages: Sequence[Message], budget: float
-    ) -> list[PublishResult]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         acks = await self._ack_inbox(nc)
@@ -239,13 +234,16 @@ class Broker:
             await asyncio.wait([wave.done], timeout=max(0.0, deadline - loop.time()))
         acks.forget(wave)
         if not wave.pending:
-            return cast("list[PublishResult]", wave.results)
+            return await self._confirm_no_stream(
+                messages, cast("list[PublishResult]", wave.results)
+            )
         missing = (
             Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
             if self.connected
             else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
         )
-        return [missing if result is None else result for result in wave.results]
+        results = [missing if result is None else result for result in wave.results]
+        return await self._confirm_no_stream(messages, results)
 
     async def _ack_inbox(self, nc: Client) -> _AckInbox:
         if self._acks is None:
@@ -257,7 +255,7 @@ class Broker:
     async def _confirm_no_stream(
         self, messages: Sequence[Message], results: list[PublishResult]
     ) -> list[PublishResult]:
-        """ "No responders" also happens for a moment while a stream elects a leader.
+        """asyncio side. "No responders" also happens for a moment while a stream elects a leader.
         A row only goes to the cap for it once JetStream confirms that no stream
         captures the subject; otherwise it is an ordinary, retried failure."""
         verdicts: dict[str, bool] = {}
@@ -280,7 +278,7 @@ class Broker:
         if self._js is None:
             return False
         try:
-            await aio.call(self._js.find_stream_name_by_subject, subject)
+            await self._js.find_stream_name_by_subject(subject)
         except nats.js.errors.NotFoundError:
             return True
         except Exception as exc:  # noqa: BLE001 - unsure means retry, not give up

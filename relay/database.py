@@ -5,14 +5,16 @@ psycopg errors are translated here, once, into the relay's error tree.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Set
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import psycopg.errors
@@ -26,7 +28,7 @@ from relay.config import Config
 from relay.errors import DatabaseUnavailable, SetupError
 from relay.marks import Marks
 from relay.model import OutboxRow
-from relay.ordering import OrderKey
+from relay.ordering import OrderKey, earliest_blockers
 from relay.sqlfiles import Names, install_script, query, uninstall_script
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,10 @@ _CONNECTION_DEFAULTS = {
     "keepalives_count": "3",
     "tcp_user_timeout": "10000",
 }
+
+# How long giving a connection back may take (its rollback) before the connection
+# is taken for dead and closed.
+RETURN_TIMEOUT = 5.0
 
 _SETUP_ERRORS = (
     psycopg.errors.UndefinedTable,
@@ -112,12 +118,21 @@ async def _execute_and_commit(
         await conn.commit()
 
 
-async def _execute_and_fetch(
-    conn: psycopg.AsyncConnection[Any], statement: sql.Composed, params: dict[str, Any]
-) -> list[tuple[Any, ...]]:
-    """asyncio side: one crossing from trio for the statement and its rows."""
-    cursor = await conn.execute(statement, params)
-    return await cursor.fetchall()
+async def _give_back(
+    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]], conn: psycopg.AsyncConnection[Any]
+) -> None:
+    """asyncio side: roll back whatever the connection was doing and return it to the
+    pool. A connection that cannot roll back within a few seconds (a dead path) is
+    closed, and the pool replaces it, rather than leaked out of the pool."""
+    try:
+        async with asyncio.timeout(RETURN_TIMEOUT):
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                await conn.rollback()
+    except (psycopg.Error, TimeoutError):
+        break_connection(conn)
+        with contextlib.suppress(psycopg.Error):
+            await conn.close()
+    await pool.putconn(conn)
 
 
 @dataclass(frozen=True)
@@ -134,26 +149,24 @@ class Backlog:
 
 
 class Transaction:
-    """One claim-publish-mark transaction on one connection."""
+    """One claim-publish-mark transaction on one connection. asyncio side: its
+    methods run inside a batch's single crossing (see :mod:`relay.batch`)."""
 
     def __init__(self, conn: psycopg.AsyncConnection[Any], names: Names) -> None:
         self._conn = conn
         self._names = names
 
-    async def _fetch(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        async with translated(name):
-            return await aio.call(_execute_and_fetch, self._conn, query(self._names, name), params)
-
-    async def claim(self, batch_size: int, max_attempts: int) -> Claim:
-        """The next batch, and the rows outside it that hold some of it back."""
-        found = await self._fetch("claim", {"batch_size": batch_size, "max_attempts": max_attempts})
+    async def claim(
+        self, batch_size: int, max_attempts: int, ours: Set[UUID] = frozenset()
+    ) -> Claim:
+        """The next batch, and the rows outside it that hold some of it back (other
+        than ``ours``, this relay's own batches in flight)."""
+        params = {"batch_size": batch_size, "max_attempts": max_attempts}
+        async with translated("claim"):
+            cursor = await self._conn.execute(query(self._names, "claim"), params)
+            found = await cursor.fetchall()
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
-        blockers: dict[str, OrderKey] = {}
-        for row in found:
-            if row[0]:
-                key = (row[7], row[1])
-                if row[4] not in blockers or key < blockers[row[4]]:
-                    blockers[row[4]] = key
+        blockers = earliest_blockers(((row[4], (row[7], row[1])) for row in found if row[0]), ours)
         return Claim(rows, blockers)
 
     async def mark_and_commit(
@@ -177,11 +190,11 @@ class Transaction:
                 )
             )
         async with translated("mark"):
-            await aio.call(_execute_and_commit, self._conn, statements, crash_before_commit)
+            await _execute_and_commit(self._conn, statements, crash_before_commit)
 
     async def commit(self) -> None:
         async with translated("commit"):
-            await aio.call(self._conn.commit)
+            await self._conn.commit()
 
 
 class Database:
@@ -263,21 +276,23 @@ class Database:
         try:
             yield conn
         finally:
-            # Shielded: the connection goes back (rolled back if need be) even when the
-            # task was cancelled mid-statement; the pool discards a broken one.
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                try:
-                    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                        await aio.call(conn.rollback)
-                except psycopg.Error:
-                    pass
-                await aio.call(pool.putconn, conn)
+            # Shielded: the connection goes back even when the task was cancelled
+            # mid-statement.
+            with trio.CancelScope(shield=True):
+                await aio.call(_give_back, pool, conn)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
-        """A batch transaction. Leaving without ``commit`` rolls it back."""
-        async with self.connection("begin batch") as conn:
+        """asyncio side: a batch transaction. Leaving without ``commit`` rolls it back."""
+        pool = self._require_pool()
+        async with translated("begin batch"):
+            conn = await pool.getconn()
+        try:
             yield Transaction(conn, self.names)
+        finally:
+            # Runs to its end even when the batch was cancelled (its deadline passed):
+            # asyncio delivers a cancellation once, and trio waits for this task.
+            await _give_back(pool, conn)
 
     async def check_setup(self) -> SetupReport:
         """Fail clearly if the table or the relay's columns are missing."""

@@ -10,12 +10,27 @@ broker before an earlier one has been acknowledged.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from uuid import UUID
 
-from relay.model import OutboxRow
+from relay.model import Acked, OutboxRow, PublishResult
 
 OrderKey = tuple[float, UUID]  # (created_at in epoch seconds, id)
+
+
+def earliest_blockers(
+    found: Iterable[tuple[str, OrderKey]], ours: Set[UUID] = frozenset()
+) -> dict[str, OrderKey]:
+    """The earliest blocker of each subject, from the claim's (subject, order key)
+    blocker rows, leaving out the rows of this relay's own batches in flight
+    (``ours``): those are waited on, not held behind (see :func:`unsettled_subjects`)."""
+    earliest: dict[str, OrderKey] = {}
+    for subject, key in found:
+        if key[1] in ours:
+            continue
+        if subject not in earliest or key < earliest[subject]:
+            earliest[subject] = key
+    return earliest
 
 
 def held_behind_blockers(rows: Iterable[OutboxRow], blockers: Mapping[str, OrderKey]) -> set[UUID]:
@@ -57,3 +72,17 @@ class SubjectQueues:
 
     def __bool__(self) -> bool:
         return bool(self._queues)
+
+
+def unsettled_subjects(
+    rows: Iterable[OutboxRow], results: Mapping[UUID, PublishResult]
+) -> frozenset[str]:
+    """Subjects a later batch must not publish yet: one of their ``rows`` was not
+    sent (held, or out of time), or failed in a way a retry may fix. A row that
+    failed for good holds nothing up: it goes to the cap."""
+    unsettled: set[str] = set()
+    for row in rows:
+        result = results.get(row.id)
+        if result is None or not (isinstance(result, Acked) or result.reason.permanent):
+            unsettled.add(row.subject)
+    return frozenset(unsettled)

@@ -1,7 +1,8 @@
-"""The publisher loop: claim a batch, publish it in order, mark it, commit.
+"""The publisher loop: run batches while there is work, then sleep until woken.
 
-This is where the table and the broker could disagree, so the crash windows
-are marked where they are.
+What one batch does (claim, publish in order, mark, commit) is :mod:`relay.batch`;
+this module decides when batches run, rides out outages, and keeps the sleep
+protocol with the LISTEN task.
 """
 
 from __future__ import annotations
@@ -10,26 +11,23 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from uuid import UUID
 
 import trio
 
-from relay import failpoints
+from relay import aio
 from relay.backoff import ReconnectBackoff
+from relay.batch import Batch, BatchOutcome
 from relay.broker import Broker
 from relay.config import Config
 from relay.database import Database
-from relay.envelope import Message, build_message
 from relay.errors import DatabaseUnavailable, RelayError
 from relay.failpoints import Failpoints
 from relay.health import Health
 from relay.listener import Listener, Sleep
-from relay.marks import Marks, decide_marks
 from relay.metrics import Metrics
-from relay.model import Acked, Failed, OutboxRow, PublishResult
-from relay.ordering import SubjectQueues, held_behind_blockers
-from relay.publishable import UNWRITABLE_TIME, rejection
+from relay.model import Acked
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -73,6 +71,14 @@ def sleep_retry_pause(busy_streak: int) -> float:
 # re-claiming in a tight loop would only burn both databases' CPU.
 CONTENTION_PAUSE = 0.05
 
+# How many batches may be in flight at once while the backlog is deep. A batch spends
+# most of its time waiting: for its claim, for the broker's acks, for its marks and
+# commit. A second batch, claimed as soon as the first one's claim is in, fills those
+# waits; its rows of a subject the first batch also holds go out after the first
+# batch's acks (relay.batch). Draining 100,000 rows here: 14.4k-15.8k rows/s with one
+# batch at a time, 17.0k-18.4k with two (three runs each).
+BATCHES_IN_FLIGHT = 2
+
 
 @dataclass(frozen=True)
 class PassResult:
@@ -103,7 +109,12 @@ class Publisher:
         self._health = health
         self._wakeup = wakeup
         self._listener = listener
-        self._failpoints = Failpoints(config.failpoints)
+        self._batch = Batch(
+            config=config,
+            database=database,
+            broker=broker,
+            failpoints=Failpoints(config.failpoints),
+        )
         self.heartbeat = 0.0
 
     async def run(self, stopping: trio.Event) -> None:
@@ -158,7 +169,34 @@ class Publisher:
 
     async def drain(self, stopping: trio.Event) -> int:
         """Claim passes until the backlog is empty, riding out database errors; the
-        number of rows claimed."""
+        number of rows claimed.
+
+        One lane of passes at first; each full batch brings in another lane, up to
+        BATCHES_IN_FLIGHT, so that while one batch waits for its claim, acks or
+        marks, the next is claimed and published. Light load stays on one lane."""
+        claimed = 0
+        lanes = 0
+        async with trio.open_nursery() as nursery:
+
+            async def lane() -> None:
+                nonlocal claimed, lanes
+                try:
+                    claimed += await self._drain_lane(stopping, more_work)
+                finally:
+                    lanes -= 1
+
+            def more_work() -> None:
+                nonlocal lanes
+                if lanes < BATCHES_IN_FLIGHT:
+                    lanes += 1
+                    nursery.start_soon(lane)
+
+            more_work()
+        return claimed
+
+    async def _drain_lane(self, stopping: trio.Event, more_work: Callable[[], None]) -> int:
+        """Passes until one finds no more work; ``more_work`` is told of each full
+        batch."""
         claimed = 0
         backoff = ReconnectBackoff(initial=0.2, cap=10.0)
         while not stopping.is_set():
@@ -188,6 +226,7 @@ class Publisher:
             backoff.reset()
             claimed += result.claimed
             if result.more_work_likely(self._config.batch_size):
+                more_work()
                 continue
             if result.held and not result.settled:
                 with trio.move_on_after(CONTENTION_PAUSE):
@@ -197,82 +236,19 @@ class Publisher:
         return claimed
 
     async def run_pass(self) -> PassResult:
-        config = self._config
-        async with self._db.transaction() as tx:
-            claim = await tx.claim(config.batch_size, config.max_attempts)
-            rows = claim.rows
-            if not rows:
-                await tx.commit()
-                return PassResult(0, 0, 0)
-            self._metrics.batch_size.observe(len(rows))
-            held = held_behind_blockers(rows, claim.blockers)
-            if held:
-                self._metrics.held.inc(len(held))
-            results = await self._publish([row for row in rows if row.id not in held])
-            # Crash window: the broker has acked some messages and the table does not
-            # say so yet. A crash here rolls the claim back; the rows are claimed again
-            # and republished with the same Nats-Msg-Id, which the stream drops inside
-            # its duplicate window and consumers dedupe on after it.
-            self._failpoints.hit(failpoints.CRASH_AFTER_PUBLISH)
-            marks = decide_marks(
-                {row.id: row for row in rows},
-                results,
-                max_attempts=config.max_attempts,
-                backoff_base=config.backoff_base,
-                backoff_max=config.backoff_max,
-            )
-            # Crash window: marked but not committed (the marks and the COMMIT travel
-            # in one round trip; the failpoint splits them). Same as above: the marks
-            # roll back with the claim and the rows are republished, never lost.
-            crash = failpoints.CRASH_AFTER_MARK
-            await tx.mark_and_commit(
-                marks,
-                (lambda: self._failpoints.hit(crash)) if self._failpoints.enabled(crash) else None,
-            )
-        self._record(rows, results, marks)
-        return PassResult(len(rows), len(results), len(held))
+        """One batch, in one crossing into asyncio (see :mod:`relay.batch`)."""
+        outcome = await aio.call(self._batch.run)
+        if outcome.rows:
+            self._record(outcome)
+        return PassResult(len(outcome.rows), len(outcome.results), len(outcome.held))
 
-    async def _publish(self, rows: list[OutboxRow]) -> dict[UUID, PublishResult]:
-        """Publish ``rows`` in per-subject order within the publish timeout. Rows
-        without a result were not sent and stay exactly as they were."""
-        results: dict[UUID, PublishResult] = {}
-        messages: dict[UUID, Message] = {}
-        max_payload = self._broker.max_payload
-        sendable: list[OutboxRow] = []
-        for row in rows:
-            if row.time is None:
-                results[row.id] = Failed(*UNWRITABLE_TIME)
-                continue
-            message = build_message(row, row.time)
-            rejected = rejection(row.event_type, message.wire_size, max_payload)
-            if rejected is not None:
-                results[row.id] = Failed(*rejected)
-            else:
-                messages[row.id] = message
-                sendable.append(row)
-        self._failpoints.hit(failpoints.CRASH_BEFORE_PUBLISH)
-        queues = SubjectQueues(sendable)
-        # The deadline bounds how long this transaction holds its row locks.
-        deadline = trio.current_time() + self._config.publish_timeout
-        while queues:
-            remaining = deadline - trio.current_time()
-            if remaining <= 0:
-                break
-            wave = queues.next_wave()
-            acks = await self._broker.publish_wave([messages[r.id] for r in wave], remaining)
-            for row, result in zip(wave, acks, strict=True):
-                results[row.id] = result
-                if isinstance(result, Failed) and not result.reason.permanent:
-                    # Later rows of this subject must not overtake it: they stay
-                    # unsent, and the claim query skips them while it backs off.
-                    queues.stop(row.subject)
-        return results
-
-    def _record(
-        self, rows: list[OutboxRow], results: dict[UUID, PublishResult], marks: Marks
-    ) -> None:
+    def _record(self, outcome: BatchOutcome) -> None:
         """Metrics and logs for a committed batch: only what the table now says."""
-        by_id = {row.id: row for row in rows}
+        self._metrics.batch_size.observe(len(outcome.rows))
+        if outcome.held:
+            self._metrics.held.inc(len(outcome.held))
+        by_id = {row.id: row for row in outcome.rows}
+        results, marks = outcome.results, outcome.marks
         dead = {row.id for row, _ in marks.newly_dead}
         now = time.time()
         published: Counter[str] = Counter()

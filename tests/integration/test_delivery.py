@@ -172,6 +172,35 @@ def test_per_subject_order_across_two_relays(db_url, stream, start_relay):
         assert numbers == sorted(numbers), f"{subject} out of order: {numbers}"
 
 
+def test_batches_in_flight_keep_per_subject_order(db_url, stream, start_relay):
+    # A deep backlog of five subjects, drained in batches of ten: the relay keeps a
+    # second batch in flight beside the first, and nearly every row of the second
+    # shares a subject with the first, so it must wait for the first batch's acks.
+    events = []
+    with psycopg.connect(db_url) as conn:
+        for i in range(2000):
+            event = Event(stream.subject("seq"), f"entity-{i % 5}", {"n": i})
+            conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
+                (event.id, event.event_type, event.subject, json.dumps(event.data)),
+            )
+            events.append(event)
+        conn.commit()
+    relay = start_relay(batch_size=10)
+    messages = delivered(stream, 2000, timeout=60)
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="all rows marked")
+    assert sorted(m.msg_id for m in messages) == sorted(str(e.id) for e in events)
+    per_subject: dict[str, list[int]] = {}
+    for message in sorted(messages, key=lambda m: m.stored_at):
+        envelope = message.envelope
+        per_subject.setdefault(envelope["subject"], []).append(envelope["data"]["n"])
+    assert len(per_subject) == 5
+    for subject, numbers in per_subject.items():
+        assert numbers == sorted(numbers), f"{subject} out of order: {numbers}"
+    assert relay.metric("outbox_relay_held_rows_total") == 0  # our own batches hold nothing
+
+
 def test_sigterm_exits_zero_and_loses_nothing(db_url, stream, start_relay):
     relay = start_relay(batch_size=20)
     events = [Event(stream.subject("term"), f"e{i % 7}") for i in range(2000)]

@@ -231,6 +231,44 @@ def test_failing_row_holds_its_subject_back_and_nothing_else(db_url, stream, ref
     assert stored[str(failing.id)] < stored[str(after.id)]
 
 
+def test_failing_row_holds_its_subject_in_a_deep_backlog(db_url, stream, refusing, start_relay):
+    # The same, drained in small batches with a second batch in flight: the batch
+    # claimed beside the one holding the failing row has later rows of its subject,
+    # and must not send them when the failing row's batch does not settle it.
+    events = []
+    for i in range(300):
+        if i == 7:
+            events.append(Event(refusing.subject, "account-1", {"n": i}))
+        else:
+            events.append(Event(stream.subject("ok"), f"account-{i % 4}", {"n": i}))
+    failing = events[7]
+    behind = [e for e in events[8:] if e.subject == "account-1"]
+    with psycopg.connect(db_url) as conn:
+        for event in events:
+            conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
+                (event.id, event.event_type, event.subject, json.dumps(event.data)),
+            )
+        conn.commit()
+    start_relay(
+        batch_size=10, backoff_base="200ms", backoff_max="400ms", max_attempts=1000,
+        poll_interval="50ms",
+    )  # fmt: skip
+    others = len(events) - 1 - len(behind)
+    wait_until(lambda: len(stream.read()) == others, message="every other subject")
+    time.sleep(1.0)  # several backoff rounds of the failing row
+    assert {m.msg_id for m in stream.read()} == {
+        str(e.id) for e in events if e is not failing and e not in behind
+    }
+    refusing.accept()
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="drain")
+    stored = {m.msg_id: m.stored_at for m in stream.read() + stream.read(refusing.name)}
+    account_1 = sorted((e for e in events if e.subject == "account-1"), key=lambda e: e.data["n"])
+    times = [stored[str(e.id)] for e in account_1]
+    assert times == sorted(times)
+
+
 def test_row_at_the_cap_releases_its_subject(db_url, stream, refusing, start_relay):
     start_relay(backoff_base="100ms", backoff_max="100ms", max_attempts=3, poll_interval="50ms")
     failing = Event(refusing.subject, "account-1", {"n": 1})

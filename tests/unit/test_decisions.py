@@ -12,7 +12,12 @@ from relay.backoff import ReconnectBackoff, row_retry_delay
 from relay.envelope import MSG_ID_HEADER, build_message
 from relay.marks import decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
-from relay.ordering import SubjectQueues, held_behind_blockers
+from relay.ordering import (
+    SubjectQueues,
+    earliest_blockers,
+    held_behind_blockers,
+    unsettled_subjects,
+)
 from relay.publishable import rejection, size_problem, subject_problem
 from relay.publisher import linger_for, sleep_retry_pause
 
@@ -176,6 +181,25 @@ class TestOrdering:
         second = OutboxRow(high, "t", "s", "a", TIME, "{}", T0, 0)
         assert held_behind_blockers([second], {"a": first.order_key}) == {high}
         assert held_behind_blockers([first], {"a": second.order_key}) == set()
+
+    def test_earliest_blocker_per_subject_leaves_out_our_own_batches(self):
+        ours, theirs, later = uuid.UUID(int=1), uuid.UUID(int=2), uuid.UUID(int=3)
+        found = [("a", (T0 + 3, later)), ("a", (T0 + 1, ours)), ("a", (T0 + 2, theirs))]
+        assert earliest_blockers(found) == {"a": (T0 + 1, ours)}
+        assert earliest_blockers(found, {ours}) == {"a": (T0 + 2, theirs)}
+        assert earliest_blockers(found, {ours, theirs, later}) == {}
+
+    def test_a_subject_is_settled_only_when_none_of_its_rows_may_be_retried(self):
+        acked, dead, failed, unsent = row("a"), row("b"), row("c"), row("d")
+        also_acked = row("c")
+        results = {
+            acked.id: Acked(),
+            dead.id: Failed(FailureReason.TOO_LARGE, "x"),
+            failed.id: Failed(FailureReason.TIMEOUT, "x"),
+            also_acked.id: Acked(),
+        }
+        rows = [acked, dead, failed, also_acked, unsent]
+        assert unsettled_subjects(rows, results) == {"c", "d"}
 
     def test_waves_take_one_row_per_subject_in_order(self):
         a1, a2, a3 = row("a", seconds=1), row("a", seconds=2), row("a", seconds=3)
