@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from uuid import UUID
 
 from relay import failpoints
 from relay.broker import Broker
@@ -30,7 +29,7 @@ from relay.database import Database
 from relay.envelope import Message, build_message
 from relay.failpoints import Failpoints
 from relay.marks import Marks, decide_marks
-from relay.model import Failed, OutboxRow, PublishResult
+from relay.model import Failed, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
 
@@ -41,8 +40,8 @@ class BatchOutcome:
     what the broker said for the rows it sent, and what it wrote back."""
 
     rows: list[OutboxRow] = field(default_factory=list)
-    held: set[UUID] = field(default_factory=set)
-    results: dict[UUID, PublishResult] = field(default_factory=dict)
+    held: set[RowId] = field(default_factory=set)
+    results: dict[RowId, PublishResult] = field(default_factory=dict)
     marks: Marks = field(default_factory=Marks)
 
 
@@ -62,7 +61,7 @@ class _Flight:
         # Set once the batch is done publishing: the subjects it did not settle.
         self.unsettled: asyncio.Future[frozenset[str]] = loop.create_future()
 
-    def published(self, results: dict[UUID, PublishResult]) -> None:
+    def published(self, results: dict[RowId, PublishResult]) -> None:
         if not self.unsettled.done():
             self.unsettled.set_result(unsettled_subjects(self.rows, results))
 
@@ -145,7 +144,7 @@ class Batch:
 
     async def _publish_after(
         self, rows: list[OutboxRow], earlier: list[_Flight]
-    ) -> dict[UUID, PublishResult]:
+    ) -> dict[RowId, PublishResult]:
         """asyncio side: publish ``rows``, those of subjects an earlier batch in
         flight also holds only once it has settled them, all within the publish
         timeout from now."""
@@ -163,11 +162,11 @@ class Batch:
             )
         return results
 
-    async def _publish(self, rows: list[OutboxRow], deadline: float) -> dict[UUID, PublishResult]:
+    async def _publish(self, rows: list[OutboxRow], deadline: float) -> dict[RowId, PublishResult]:
         """asyncio side: publish ``rows`` in per-subject order until ``deadline`` (loop
         time). Rows without a result were not sent and stay exactly as they were."""
-        results: dict[UUID, PublishResult] = {}
-        messages: dict[UUID, Message] = {}
+        results: dict[RowId, PublishResult] = {}
+        messages: dict[RowId, Message] = {}
         max_payload = self._broker.max_payload
         sendable: list[OutboxRow] = []
         for row in rows:

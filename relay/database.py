@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable, Set
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from uuid import UUID
 
 import psycopg
 import psycopg.errors
@@ -27,7 +26,7 @@ from relay import aio
 from relay.config import Config
 from relay.errors import DatabaseUnavailable, SetupError
 from relay.marks import Marks
-from relay.model import OutboxRow
+from relay.model import OutboxRow, RowId
 from relay.ordering import OrderKey, earliest_blockers
 from relay.sqlfiles import Names, install_script, query, uninstall_script
 
@@ -157,7 +156,7 @@ class Transaction:
         self._names = names
 
     async def claim(
-        self, batch_size: int, max_attempts: int, ours: Set[UUID] = frozenset()
+        self, batch_size: int, max_attempts: int, ours: Set[RowId] = frozenset()
     ) -> Claim:
         """The next batch, and the rows outside it that hold some of it back (other
         than ``ours``, this relay's own batches in flight)."""
@@ -176,7 +175,9 @@ class Transaction:
         commit, sent together in one round trip (pipeline mode)."""
         statements: list[tuple[sql.Composed, dict[str, Any]]] = []
         if marks.published:
-            statements.append((query(self._names, "mark_published"), {"ids": marks.published}))
+            statements.append(
+                (query(self._names, "mark_published"), {"ids": ",".join(marks.published)})
+            )
         if marks.failed:
             statements.append(
                 (

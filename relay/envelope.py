@@ -35,7 +35,7 @@ def build_message(row: OutboxRow, time: str) -> Message:
     row's id is the envelope id and the dedupe key (``Nats-Msg-Id``), so a republish
     inside the stream's duplicate window is dropped by the broker and anywhere else
     by the consumer."""
-    row_id = str(row.id)
+    row_id = row.id
     # ``data`` arrives as jsonb's own text rendering, which is valid JSON: splice it in
     # rather than parse and re-serialise every payload.
     body = (

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from uuid import UUID
 
 from relay.backoff import row_retry_delay
-from relay.model import Acked, Failed, OutboxRow, PublishResult
+from relay.model import Acked, Failed, OutboxRow, PublishResult, RowId
 
 
 @dataclass(frozen=True, slots=True)
 class FailureMark:
-    id: UUID
+    id: RowId
     attempts: int
     retry_delay: float | None  # None: the row is at the cap and is left alone
     error: str
@@ -20,14 +19,14 @@ class FailureMark:
 
 @dataclass
 class Marks:
-    published: list[UUID] = field(default_factory=list)
+    published: list[RowId] = field(default_factory=list)
     failed: list[FailureMark] = field(default_factory=list)
     newly_dead: list[tuple[OutboxRow, Failed]] = field(default_factory=list)
 
 
 def decide_marks(
-    rows: Mapping[UUID, OutboxRow],
-    results: Mapping[UUID, PublishResult],
+    rows: Mapping[RowId, OutboxRow],
+    results: Mapping[RowId, PublishResult],
     *,
     max_attempts: int,
     backoff_base: float,

@@ -5,7 +5,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from typing import NamedTuple
-from uuid import UUID
+
+RowId = str
+"""A row's id as the claim query returns it: the uuid's text, 36 lowercase characters.
+Text, not :class:`uuid.UUID`: the envelope and the marks want text, and a UUID object
+per row cost a parse, a hash per lookup and a dump per mark. Two ids compare as text
+exactly as Postgres compares the uuids (byte by byte), since the canonical text is
+fixed-width lowercase hex."""
 
 
 class OutboxRow(NamedTuple):
@@ -16,7 +22,7 @@ class OutboxRow(NamedTuple):
     A named tuple, not a frozen dataclass: one is built per claimed row, and a
     frozen dataclass costs three times as much to build (4.7 vs 1.5 us here)."""
 
-    id: UUID
+    id: RowId
     event_type: str
     source: str
     subject: str
@@ -26,11 +32,11 @@ class OutboxRow(NamedTuple):
     attempts: int
 
     @property
-    def order_key(self) -> tuple[float, UUID]:
+    def order_key(self) -> tuple[float, RowId]:
         """Rows are published in this order. ``id`` breaks ``created_at`` ties, which
         every row inserted by one transaction shares (``now()`` is the transaction's
         start), so the order is total and the same in SQL and in Python: Postgres
-        compares uuids bytewise, as Python compares ``UUID.int``."""
+        compares uuids bytewise, as Python compares their canonical text."""
         return (self.created_at, self.id)
 
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence, Set
-from uuid import UUID
 
-from relay.model import Acked, OutboxRow, PublishResult
+from relay.model import Acked, OutboxRow, PublishResult, RowId
 
-OrderKey = tuple[float, UUID]  # (created_at in epoch seconds, id)
+OrderKey = tuple[float, RowId]  # (created_at in epoch seconds, id)
 
 
 def earliest_blockers(
-    found: Iterable[tuple[str, OrderKey]], ours: Set[UUID] = frozenset()
+    found: Iterable[tuple[str, OrderKey]], ours: Set[RowId] = frozenset()
 ) -> dict[str, OrderKey]:
     """The earliest blocker of each subject, from the claim's (subject, order key)
     blocker rows, leaving out the rows of this relay's own batches in flight
@@ -33,12 +32,12 @@ def earliest_blockers(
     return earliest
 
 
-def held_behind_blockers(rows: Iterable[OutboxRow], blockers: Mapping[str, OrderKey]) -> set[UUID]:
+def held_behind_blockers(rows: Iterable[OutboxRow], blockers: Mapping[str, OrderKey]) -> set[RowId]:
     """Ids of claimed rows that must wait because an earlier unpublished row of their
     subject is not in this batch (another relay holds it, or it committed late).
 
     ``blockers`` maps a subject to the order key of its earliest such row."""
-    held: set[UUID] = set()
+    held: set[RowId] = set()
     for row in rows:
         first_outside = blockers.get(row.subject)
         if first_outside is not None and row.order_key > first_outside:
@@ -75,7 +74,7 @@ class SubjectQueues:
 
 
 def unsettled_subjects(
-    rows: Iterable[OutboxRow], results: Mapping[UUID, PublishResult]
+    rows: Iterable[OutboxRow], results: Mapping[RowId, PublishResult]
 ) -> frozenset[str]:
     """Subjects a later batch must not publish yet: one of their ``rows`` was not
     sent (held, or out of time), or failed in a way a retry may fix. A row that

@@ -272,7 +272,7 @@ class Publisher:
                 "publish failed: %s",
                 result.detail,
                 extra={
-                    "row_id": str(row.id),
+                    "row_id": row.id,
                     "event_type": row.event_type,
                     "reason": result.reason.value,
                     "attempts": row.attempts + 1,
@@ -293,7 +293,7 @@ class Publisher:
                 "row is at the attempt cap and is left alone until requeued: %s",
                 failure.detail,
                 extra={
-                    "row_id": str(row.id),
+                    "row_id": row.id,
                     "event_type": row.event_type,
                     "reason": failure.reason.value,
                 },

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from uuid import UUID
 
 import nats
 import psycopg
@@ -15,7 +14,7 @@ from relay.envelope import build_message
 from relay.model import OutboxRow
 
 CLAIM = (
-    "select id, event_type, source, subject, "
+    "select id::text, event_type, source, subject, "
     "to_char(time at time zone 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), data::text, "
     "extract(epoch from created_at)::float8, attempts "
     "from outbox_events where published_at is null order by created_at limit %s "
@@ -31,7 +30,7 @@ async def plain_poller(url: str, nats_url: str, stop: asyncio.Event, batch: int 
             while not stop.is_set():
                 async with conn.transaction():
                     cursor = await conn.execute(CLAIM, (batch,))
-                    rows: list[tuple[UUID, str, str, str, str, str, float, int]]
+                    rows: list[tuple[str, str, str, str, str, str, float, int]]
                     rows = await cursor.fetchall()
                     for row in rows:
                         message = build_message(OutboxRow(*row), row[4])

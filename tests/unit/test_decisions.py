@@ -39,7 +39,7 @@ def row(
     data: str = "{}",
 ) -> OutboxRow:
     return OutboxRow(
-        uuid.uuid4(),
+        str(uuid.uuid4()),
         event_type,
         "src",
         subject,
@@ -121,7 +121,7 @@ def test_rejection_reasons():
 class TestEnvelope:
     def test_cloudevents_fields_and_dedupe_header(self):
         r = OutboxRow(
-            uuid.uuid4(),
+            str(uuid.uuid4()),
             "billing.paid",
             "billing",
             "invoice/1",
@@ -148,7 +148,7 @@ class TestEnvelope:
         "text", ['quote " back \\ slash', "tab\tnewline\ncontrol\x01", "ünï 😀 \u2028", ""]
     )
     def test_odd_text_columns_are_escaped(self, text):
-        r = OutboxRow(uuid.uuid4(), text, text, text, TIME, "{}", T0, 0)
+        r = OutboxRow(str(uuid.uuid4()), text, text, text, TIME, "{}", T0, 0)
         body = json.loads(build(r).body)
         assert (body["type"], body["source"], body["subject"]) == (text, text, text)
 
@@ -172,18 +172,24 @@ class TestEnvelope:
 class TestOrdering:
     def test_rows_behind_an_outside_blocker_are_held(self):
         a1, a2, b1 = row("a", seconds=1), row("a", seconds=3), row("b", seconds=2)
-        blockers = {"a": (T0 + 2, uuid.UUID(int=0))}
+        blockers = {"a": (T0 + 2, str(uuid.UUID(int=0)))}
         assert held_behind_blockers([a1, a2, b1], blockers) == {a2.id}
 
     def test_ties_on_created_at_are_broken_by_id(self):
-        low, high = uuid.UUID(int=1), uuid.UUID(int=2)
+        low, high = str(uuid.UUID(int=1)), str(uuid.UUID(int=2))
         first = OutboxRow(low, "t", "s", "a", TIME, "{}", T0, 0)
         second = OutboxRow(high, "t", "s", "a", TIME, "{}", T0, 0)
         assert held_behind_blockers([second], {"a": first.order_key}) == {high}
         assert held_behind_blockers([first], {"a": second.order_key}) == set()
 
+    def test_ids_as_text_order_as_postgres_orders_uuids(self):
+        # Postgres compares uuids byte by byte; the relay compares their text.
+        ids = [uuid.UUID(bytes=random.randbytes(16)) for _ in range(2000)]
+        ids += [uuid.UUID(int=n) for n in (0, 9, 10, 15, 16, 2**127, 2**128 - 1)]
+        assert sorted(ids, key=lambda u: u.bytes) == sorted(ids, key=str)
+
     def test_earliest_blocker_per_subject_leaves_out_our_own_batches(self):
-        ours, theirs, later = uuid.UUID(int=1), uuid.UUID(int=2), uuid.UUID(int=3)
+        ours, theirs, later = str(uuid.UUID(int=1)), str(uuid.UUID(int=2)), str(uuid.UUID(int=3))
         found = [("a", (T0 + 3, later)), ("a", (T0 + 1, ours)), ("a", (T0 + 2, theirs))]
         assert earliest_blockers(found) == {"a": (T0 + 1, ours)}
         assert earliest_blockers(found, {ours}) == {"a": (T0 + 2, theirs)}
