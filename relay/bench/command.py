@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -162,11 +163,15 @@ async def _producer_cost(plan: Plan, progress: Progress, report: Report, target:
 
 async def run_all(target: Target, plan: Plan) -> Report:
     report = Report()
-    progress = Progress(total=plan.repetitions * 17 + 1)
+    progress = Progress(total=plan.repetitions * 18 + 1)
 
     for key, name, what, measurement in (
         ("wake_floor", "floor: LISTEN wake-up, commit to listener", "LISTEN wake-up floor",
          measure.wake_floor),
+        # Not a target's floor: what a producer's commit (which writes a row, so waits
+        # for the WAL flush) adds to the bare notify above, for reading the latencies.
+        ("wake_row_floor", "reference: wake-up when the commit writes a row",
+         "LISTEN wake-up with a row", functools.partial(measure.wake_floor, with_row=True)),
         ("publish_floor", "floor: JetStream publish to ack", "publish-to-ack floor",
          measure.publish_floor),
     ):  # fmt: skip

@@ -25,14 +25,23 @@ from relay.bench.harness import (
 from relay.localservers import postgres_binary
 
 
-async def wake_floor(target: Target, samples: int) -> list[float]:
-    """Seconds from a notifying COMMIT being issued to the listener having it."""
+async def wake_floor(target: Target, samples: int, *, with_row: bool = False) -> list[float]:
+    """Seconds from a notifying COMMIT being issued to the listener having it.
+
+    ``with_row``: the notifying transaction also writes a row, as every producer's
+    does, so its commit waits for the WAL flush before anyone is notified. A bare
+    notify writes nothing and flushes nothing."""
     latencies: list[float] = []
     async with (
         listening(target.url, "bench_floor") as listener,
         await psycopg.AsyncConnection.connect(target.url) as notifier,
     ):
+        if with_row:
+            await notifier.execute("create table if not exists bench_floor_rows (n int)")
+            await notifier.commit()
         for _ in range(samples):
+            if with_row:
+                await notifier.execute("insert into bench_floor_rows values (1)")
 
             async def first() -> float:
                 async for _ in listener.notifies(stop_after=1):

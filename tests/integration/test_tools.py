@@ -20,7 +20,7 @@ from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL
 pytestmark = pytest.mark.integration
 
 FIGURES = {
-    "wake_floor", "publish_floor", "claim_mark_rate", "publish_rate",
+    "wake_floor", "wake_row_floor", "publish_floor", "claim_mark_rate", "publish_rate",
     "relay_latency_100_p50", "relay_latency_100_p99", "relay_latency_100_max",
     "relay_latency_1000_p50", "relay_latency_1000_p99", "relay_latency_1000_max",
     "drain_rate", "drain_memory", "commits_no_trigger", "commits_relay_trigger",
