@@ -97,11 +97,14 @@ select true, e.id::text, null, null, e.subject, null, null,
    and e.id not in (select id from claimed);
 
 -- name: mark_published
--- The ids come as one comma-separated text: the relay holds them as text, and one
--- string costs nothing to send where an array of 500 is dumped element by element.
+-- The ids come as one uuid[] literal in a string: the relay holds them as text, and
+-- one string costs nothing to send where an array of 500 is dumped element by element.
+-- The server reads it once, as the uuid[] parameter (an expression built from it
+-- here, such as string_to_array, would be evaluated again for every row it is
+-- compared with).
 update {table}
    set published_at = clock_timestamp(), relay_retry_at = null, relay_last_error = null
- where id = any(string_to_array(%(ids)s, ',')::uuid[]);
+ where id = any(%(ids)s::uuid[]);
 
 -- name: mark_failed
 update {table} t
