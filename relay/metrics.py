@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Iterable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -10,6 +14,8 @@ from prometheus_client import (
     Info,
     disable_created_metrics,
 )
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from relay import __version__
 
@@ -41,6 +47,42 @@ LATENCY_BUCKETS = (
     1800.0,
 )
 BATCH_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 200, 300, 400, 500, 1000, 2000)
+
+
+class BatchHistogram(Collector):
+    """A histogram fed a batch of values at a time.
+
+    prometheus_client's ``Histogram.observe`` takes two locks and walks the buckets
+    in Python for every value: 3.6 us a row here, about 6% of the relay's CPU while
+    it drains. This one bins a batch with ``bisect`` and is read by the registry like
+    any histogram. The relay feeds and scrapes it from one thread."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._bounds = [*sorted(buckets), math.inf]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        registry.register(self)
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, bounds = self._counts, self._bounds
+        total = 0.0
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1  # "le": value <= bound
+            total += value
+        self._sum += total
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, buckets = 0, []
+        for bound, count in zip(self._bounds, self._counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cumulative))
+        yield HistogramMetricFamily(
+            self._name, self._documentation, buckets=buckets, sum_value=self._sum
+        )
 
 
 class BoundedLabel:
@@ -107,11 +149,11 @@ class Metrics:
         self.dead_rows = Gauge(
             "outbox_relay_dead_rows", "Unpublished rows at the attempt cap (table-wide)", registry=r
         )
-        self.publish_latency = Histogram(
+        self.publish_latency = BatchHistogram(
             "outbox_relay_publish_latency_seconds",
             "From the row's created_at to the broker's ack",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            r,
         )
         self.batch_size = Histogram(
             "outbox_relay_batch_size", "Rows claimed per pass", buckets=BATCH_BUCKETS, registry=r

@@ -253,6 +253,7 @@ class Publisher:
         dead = {row.id for row, _ in marks.newly_dead}
         now = time.time()
         published: Counter[str] = Counter()
+        latencies: list[float] = []
         duplicates = 0
         for row_id, result in results.items():
             row = by_id[row_id]
@@ -261,7 +262,7 @@ class Publisher:
                 duplicates += result.duplicate
                 latency = now - row.created_at
                 if latency < math.inf:  # a created_at of -infinity has no latency
-                    self._metrics.publish_latency.observe(max(latency, 0.0))
+                    latencies.append(max(latency, 0.0))
                 continue
             self._metrics.publish_failures.labels(
                 event_type=self._metrics.event_type(row.event_type),
@@ -279,6 +280,7 @@ class Publisher:
                     "attempts": row.attempts + 1,
                 },
             )
+        self._metrics.publish_latency.observe_many(latencies)
         for event_type, count in published.items():
             self._metrics.published.labels(event_type=self._metrics.event_type(event_type)).inc(
                 count

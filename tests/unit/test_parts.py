@@ -1,4 +1,4 @@
-"""Small parts: SQL loading, health, HTTP answers, the wake-up, log lines."""
+"""Small parts: SQL loading, health, HTTP answers, the wake-up, log lines, metrics."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import logging
 import pytest
 import trio
 import trio.testing
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from psycopg import sql
 
 from relay.config import Config
 from relay.health import Health
 from relay.httpserver import HttpServer, parse_request_line
 from relay.logs import JsonFormatter, TextFormatter
-from relay.metrics import BoundedLabel
+from relay.metrics import LATENCY_BUCKETS, BatchHistogram, BoundedLabel
 from relay.sqlfiles import (
     Names,
     install_script,
@@ -142,3 +143,16 @@ def test_event_type_labels_are_bounded():
         "_other",
         "b",
     ]
+
+
+def test_batch_histogram_exposes_what_a_prometheus_histogram_would():
+    values = [0.0, 0.001, 0.0015, 0.002, 0.05, 0.0500001, 3.0, 299.9, 300.0, 4000.0, 0.2]
+    reference_registry, batch_registry = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("t_seconds", "doc", buckets=LATENCY_BUCKETS, registry=reference_registry)
+    batch = BatchHistogram("t_seconds", "doc", LATENCY_BUCKETS, batch_registry)
+    for value in values:
+        reference.observe(value)
+    batch.observe_many(values[:4])
+    batch.observe_many([])
+    batch.observe_many(values[4:])
+    assert generate_latest(batch_registry) == generate_latest(reference_registry)
