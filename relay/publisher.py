@@ -175,7 +175,7 @@ class Publisher:
         BATCHES_IN_FLIGHT, so that while one batch waits for its claim, acks or
         marks, the next is claimed and published. Light load stays on one lane."""
         claimed = 0
-        lanes = 0
+        lanes = 1  # the first one, run below in this task
         async with trio.open_nursery() as nursery:
 
             async def lane() -> None:
@@ -191,8 +191,7 @@ class Publisher:
                     lanes += 1
                     nursery.start_soon(lane)
 
-            lanes = 1
-            await lane()  # the first lane runs here: no trip through the scheduler
+            await lane()  # here, not spawned: no trip through the scheduler
         return claimed
 
     async def _drain_lane(self, stopping: trio.Event, more_work: Callable[[], None]) -> int:

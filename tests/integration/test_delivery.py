@@ -176,17 +176,8 @@ def test_batches_in_flight_keep_per_subject_order(db_url, stream, start_relay):
     # A deep backlog of five subjects, drained in batches of ten: the relay keeps a
     # second batch in flight beside the first, and nearly every row of the second
     # shares a subject with the first, so it must wait for the first batch's acks.
-    events = []
-    with psycopg.connect(db_url) as conn:
-        for i in range(2000):
-            event = Event(stream.subject("seq"), f"entity-{i % 5}", {"n": i})
-            conn.execute(
-                "insert into outbox_events (id, event_type, source, subject, time, data, "
-                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
-                (event.id, event.event_type, event.subject, json.dumps(event.data)),
-            )
-            events.append(event)
-        conn.commit()
+    events = [Event(stream.subject("seq"), f"entity-{i % 5}", {"n": i}) for i in range(2000)]
+    database.insert_in_order(db_url, events)
     relay = start_relay(batch_size=10)
     messages = delivered(stream, 2000, timeout=60)
     wait_until(lambda: database.unpublished_count(db_url) == 0, message="all rows marked")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime
 from itertools import pairwise
@@ -51,14 +50,7 @@ def refusing(stream):
 
 def insert_ordered(url: str, events: list[Event]) -> None:
     """One row at a time, each with its own created_at, in list order."""
-    with psycopg.connect(url) as conn:
-        for event in events:
-            conn.execute(
-                "insert into outbox_events (id, event_type, source, subject, time, data, "
-                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
-                (event.id, event.event_type, event.subject, json.dumps(event.data)),
-            )
-            conn.commit()
+    database.insert_in_order(url, events, commit_each=True)
 
 
 def failure_times(relay, row_id: str) -> list[tuple[float, int]]:
@@ -243,14 +235,7 @@ def test_failing_row_holds_its_subject_in_a_deep_backlog(db_url, stream, refusin
             events.append(Event(stream.subject("ok"), f"account-{i % 4}", {"n": i}))
     failing = events[7]
     behind = [e for e in events[8:] if e.subject == "account-1"]
-    with psycopg.connect(db_url) as conn:
-        for event in events:
-            conn.execute(
-                "insert into outbox_events (id, event_type, source, subject, time, data, "
-                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
-                (event.id, event.event_type, event.subject, json.dumps(event.data)),
-            )
-        conn.commit()
+    database.insert_in_order(db_url, events)
     start_relay(
         batch_size=10, backoff_base="200ms", backoff_max="400ms", max_attempts=1000,
         poll_interval="50ms",

@@ -64,6 +64,21 @@ def insert(url: str, events: Sequence[Event], *, table: str = "outbox_events") -
         )
 
 
+def insert_in_order(url: str, events: Sequence[Event], *, commit_each: bool = False) -> None:
+    """One row at a time, in list order, each with its own created_at
+    (clock_timestamp(), even inside one transaction); one transaction for all of
+    them, or a commit per row."""
+    with psycopg.connect(url) as conn:
+        for event in events:
+            conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                "created_at) values (%s, %s, 't', %s, now(), %s, clock_timestamp())",
+                (event.id, event.event_type, event.subject, json.dumps(event.data)),
+            )
+            if commit_each:
+                conn.commit()
+
+
 def fetch(url: str, sql: str, params: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
     with psycopg.connect(url) as conn:
         return conn.execute(sql, tuple(params)).fetchall()
