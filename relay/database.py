@@ -123,7 +123,7 @@ async def _execute_and_commit(
         await conn.commit()
 
 
-def uuid_array(ids: list[RowId]) -> str:
+def _uuid_array(ids: list[RowId]) -> str:
     """``ids`` as one Postgres array literal, sent untyped and read as uuid[]."""
     return "{" + ",".join(ids) + "}"
 
@@ -187,7 +187,7 @@ class Transaction:
         statements: list[tuple[sql.Composed, dict[str, Any]]] = []
         if marks.published:
             statements.append(
-                (query(self._names, "mark_published"), {"ids": uuid_array(marks.published)})
+                (query(self._names, "mark_published"), {"ids": _uuid_array(marks.published)})
             )
         if marks.failed:
             statements.append(

@@ -48,11 +48,6 @@ def refusing(stream):
     created.delete()
 
 
-def insert_ordered(url: str, events: list[Event]) -> None:
-    """One row at a time, each with its own created_at, in list order."""
-    database.insert_in_order(url, events, commit_each=True)
-
-
 def failure_times(relay, row_id: str) -> list[tuple[float, int]]:
     """(log time, attempts) of each logged failed publish of one row."""
     out = []
@@ -205,7 +200,7 @@ def test_failing_row_holds_its_subject_back_and_nothing_else(db_url, stream, ref
     failing = Event(refusing.subject, "account-1", {"n": 2})
     after = Event(stream.subject("ok"), "account-1", {"n": 3})
     other = [Event(stream.subject("ok"), "account-2", {"n": i}) for i in range(5)]
-    insert_ordered(db_url, [first, failing, after, *other])
+    database.insert_in_order(db_url, [first, failing, after, *other], commit_each=True)
     wait_until(lambda: len(stream.read()) == 6, message="first row and the other subject")
     time.sleep(1.0)  # several backoff rounds of the failing row
     ids = [m.msg_id for m in stream.read()]
@@ -258,7 +253,7 @@ def test_row_at_the_cap_releases_its_subject(db_url, stream, refusing, start_rel
     start_relay(backoff_base="100ms", backoff_max="100ms", max_attempts=3, poll_interval="50ms")
     failing = Event(refusing.subject, "account-1", {"n": 1})
     after = Event(stream.subject("ok"), "account-1", {"n": 2})
-    insert_ordered(db_url, [failing, after])
+    database.insert_in_order(db_url, [failing, after], commit_each=True)
     [message] = wait_until(lambda: stream.read() or None, message="row behind the dead one")
     assert message.msg_id == str(after.id)
     assert database.rows_by_id(db_url)[str(failing.id)]["attempts"] == 3
