@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+# Before anything imports psycopg or nats (see relay/__init__.py): tests that run
+# the relay's parts in this process need it, as the relay does.
+import trio_asyncio  # noqa: F401  # isort: skip
+
 from collections.abc import Iterator
 
 import pytest
