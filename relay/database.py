@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import socket
+import weakref
 from collections.abc import AsyncIterator, Callable, Set
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,7 +29,14 @@ from relay.errors import DatabaseUnavailable, SetupError
 from relay.marks import Marks
 from relay.model import OutboxRow, RowId
 from relay.ordering import OrderKey, earliest_blockers
-from relay.sqlfiles import Names, install_script, query, uninstall_script
+from relay.sqlfiles import (
+    Names,
+    claim_execution,
+    claim_preparation,
+    install_script,
+    query,
+    uninstall_script,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,21 @@ _CONNECTION_DEFAULTS = {
     "keepalives_count": "3",
     "tcp_user_timeout": "10000",
 }
+
+# Every pooled connection is in autocommit and never prepares a statement by itself:
+# a batch opens its own transaction in the same message as its claim (see
+# CLAIM_STATEMENT), and a statement that psycopg prepared would make it drop every
+# prepared statement, the claim's too, at the next rollback (psycopg deallocates
+# all of them on ROLLBACK).
+POOLED_CONNECTION: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
+
+# The claim, prepared once on each pooled connection. A batch sends "begin; execute"
+# as one simple-protocol message. A driver-side transaction would cost a round trip
+# for its BEGIN before the claim could be sent: a claim of one row took 0.68 ms that
+# way and 0.47 ms this way here, 0.98 and 0.67 ms on a machine idle since the
+# previous row (most claims at light load). Prepared, the claim is not planned again
+# each time (0.4 ms).
+CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim")
 
 # How long giving a connection back may take (its rollback) before the connection
 # is taken for dead and closed.
@@ -159,21 +182,41 @@ class Backlog:
 
 
 class Transaction:
-    """One claim-publish-mark transaction on one connection. asyncio side: its
-    methods run inside a batch's single crossing (see :mod:`relay.batch`)."""
+    """One claim-publish-mark transaction on one connection (in autocommit, as
+    :data:`POOLED_CONNECTION` makes them: the claim opens the transaction). asyncio
+    side: its methods run inside a batch's single crossing (see :mod:`relay.batch`).
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any], names: Names) -> None:
+    ``prepared`` holds the connections that have the claim prepared."""
+
+    def __init__(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        names: Names,
+        prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]],
+    ) -> None:
         self._conn = conn
         self._names = names
+        self._prepared = prepared
 
     async def claim(
         self, batch_size: int, max_attempts: int, ours: Set[RowId] = frozenset()
     ) -> Claim:
         """The next batch, and the rows outside it that hold some of it back (other
         than ``ours``, this relay's own batches in flight)."""
-        params = {"batch_size": batch_size, "max_attempts": max_attempts}
+        conn = self._conn
         async with translated("claim"):
-            cursor = await self._conn.execute(query(self._names, "claim"), params)
+            if conn not in self._prepared:
+                await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT), prepare=False)
+                self._prepared.add(conn)
+            cursor = psycopg.AsyncClientCursor(conn)
+            try:
+                await cursor.execute(claim_execution(CLAIM_STATEMENT, batch_size, max_attempts))
+            except psycopg.errors.InvalidSqlStatementName:
+                # Deallocated behind our back (DISCARD ALL by a proxy, say): this
+                # batch fails and is retried, and the next claim prepares it again.
+                self._prepared.discard(conn)
+                raise
+            cursor.nextset()  # past the BEGIN's result, to the claim's rows
             found = await cursor.fetchall()
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
         blockers = earliest_blockers(((row[4], (row[7], row[1])) for row in found if row[0]), ours)
@@ -235,6 +278,7 @@ class Database:
             "synchronous_commit": "off",
         }
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self._claim_prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
     @property
     def conninfo(self) -> str:
@@ -248,7 +292,6 @@ class Database:
     async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
         for name, value in self._session_settings.items():
             await conn.execute("select set_config(%s, %s, false)", (name, value))
-        await conn.commit()
 
     async def open(self) -> None:
         """Start the pool without waiting: an unreachable database at start is an
@@ -258,6 +301,7 @@ class Database:
             min_size=1,
             max_size=4,
             open=False,
+            kwargs=POOLED_CONNECTION,
             configure=self._configure,
             # No check on checkout: it would cost a round trip on every batch. A broken
             # connection fails its statement, the batch is retried, and the pool
@@ -282,6 +326,7 @@ class Database:
 
     @asynccontextmanager
     async def connection(self, doing: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pooled connection, in autocommit: each statement is its own transaction."""
         pool = self._require_pool()
         async with translated(doing):
             conn = await aio.call(pool.getconn)
@@ -300,7 +345,7 @@ class Database:
         async with translated("begin batch"):
             conn = await pool.getconn()
         try:
-            yield Transaction(conn, self.names)
+            yield Transaction(conn, self.names, self._claim_prepared)
         finally:
             # Runs to its end even when the batch was cancelled (its deadline passed):
             # asyncio delivers a cancellation once, and trio waits for this task.
@@ -332,7 +377,6 @@ class Database:
                 {"table": table_text, "trigger": self.names.trigger_name},
             )
             trigger = await aio.call(cursor.fetchone)
-            await aio.call(conn.commit)
         return SetupReport(trigger_present=bool(trigger and trigger[0]))
 
     async def backlog(self, max_attempts: int) -> Backlog:
@@ -341,7 +385,6 @@ class Database:
                 conn.execute, query(self.names, "backlog"), {"max_attempts": max_attempts}
             )
             row = await aio.call(cursor.fetchone)
-            await aio.call(conn.commit)
         assert row is not None  # an aggregate always returns one row
         return Backlog(unpublished=row[0], dead=row[1], oldest_age_seconds=row[2])
 
@@ -352,9 +395,7 @@ class Database:
                 query(self.names, "delete_spent"),
                 {"retention": retention, "batch_size": batch_size},
             )
-            deleted = cursor.rowcount
-            await aio.call(conn.commit)
-        return deleted
+            return cursor.rowcount
 
 
 def install(conninfo: str, names: Names) -> None:

@@ -124,8 +124,9 @@ class Names:
             },
         )
 
-    def compose(self, template: str) -> sql.Composed:
+    def compose(self, template: str, **slots: sql.Composable) -> sql.Composed:
         return sql.SQL(template).format(
+            **{**CLAIM_PARAMETERS, **slots},
             table=self.table,
             table_name=self.catalog_names["table"],
             unpublished_idx_name=self.catalog_names["unpublished_idx"],
@@ -161,5 +162,29 @@ def uninstall_script(names: Names) -> sql.Composed:
     return names.compose(read_sql("uninstall.sql"))
 
 
-def query(names: Names, name: str) -> sql.Composed:
-    return names.compose(queries()[name])
+def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
+    """Query ``name``; ``slots`` fill its ``{slot}`` parameters other than the
+    identifiers (only the claim has any: see :data:`CLAIM_PARAMETERS`)."""
+    return names.compose(queries()[name], **slots)
+
+
+# The claim's parameters are slots in sql/queries.sql, not %(name)s: as they are,
+# bound parameters; when the relay prepares the claim, $1 and $2.
+CLAIM_PARAMETERS: dict[str, sql.Composable] = {
+    "batch_size": sql.Placeholder("batch_size"),
+    "max_attempts": sql.Placeholder("max_attempts"),
+}
+
+
+def claim_preparation(names: Names, statement: sql.Identifier) -> sql.Composed:
+    """``PREPARE statement (batch_size, max_attempts) AS`` the claim."""
+    body = query(names, "claim", batch_size=sql.SQL("$1"), max_attempts=sql.SQL("$2"))
+    return sql.SQL("prepare {} (integer, integer) as\n").format(statement) + body
+
+
+def claim_execution(statement: sql.Identifier, batch_size: int, max_attempts: int) -> sql.Composed:
+    """Open the batch's transaction and run the prepared claim: one message, one
+    round trip."""
+    return sql.SQL("begin; execute {} ({}, {})").format(
+        statement, sql.Literal(batch_size), sql.Literal(max_attempts)
+    )

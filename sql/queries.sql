@@ -1,6 +1,8 @@
 -- Every query the relay runs, by name. Loaded once by relay/sqlfiles.py; {names}
 -- are identifiers from configuration, composed with psycopg.sql; %(names)s are
--- bound parameters.
+-- bound parameters. The claim's parameters are slots too, {batch_size} and
+-- {max_attempts}: bound parameters when it runs as it is, $1 and $2 when the relay
+-- prepares it (relay/database.py says why).
 
 -- name: claim
 -- Claim the next batch in order. Rows another relay holds are skipped, not waited
@@ -29,7 +31,7 @@ with horizon as materialized (
   select h.created_at
     from {table} h
    where h.published_at is null
-     and h.attempts < %(max_attempts)s
+     and h.attempts < {max_attempts}
      and (h.relay_retry_at is null or h.relay_retry_at <= now())
      and not exists (
            -- No "published_at is null" here: see the retry index in install/002.
@@ -39,11 +41,11 @@ with horizon as materialized (
              from {table} b
             where b.subject = h.subject
               and b.relay_retry_at > now()
-              and b.attempts < %(max_attempts)s
+              and b.attempts < {max_attempts}
               and (b.created_at, b.id) < (h.created_at, h.id)
            offset 0)
    order by h.created_at
-   offset 2 * %(batch_size)s - 1
+   offset 2 * {batch_size} - 1
    limit 1
 ),
 claimed as materialized (
@@ -60,18 +62,18 @@ claimed as materialized (
      -- changed (another relay published it) while the statement ran. Claiming the
      -- horizon's rows by id instead would also cut a tie group (one transaction's
      -- rows share created_at) in index order rather than id order.
-     and o.attempts < %(max_attempts)s
+     and o.attempts < {max_attempts}
      and (o.relay_retry_at is null or o.relay_retry_at <= now())
      and not exists (
            select 1
              from {table} b
             where b.subject = o.subject
               and b.relay_retry_at > now()
-              and b.attempts < %(max_attempts)s
+              and b.attempts < {max_attempts}
               and (b.created_at, b.id) < (o.created_at, o.id)
            offset 0)
    order by o.created_at, o.id
-   limit %(batch_size)s
+   limit {batch_size}
      for update of o skip locked
 )
 select false as blocker, id::text, event_type, source, subject, time, data,
@@ -82,7 +84,7 @@ select true, e.id::text, null, null, e.subject, null, null,
        extract(epoch from e.created_at)::float8, null
   from {table} e
  where e.published_at is null
-   and e.attempts < %(max_attempts)s
+   and e.attempts < {max_attempts}
    and e.created_at <= (select max(created_at) from claimed)
    -- Rows sharing the batch's last created_at (one big transaction) but after it
    -- in id order come later: they block nothing, and there may be thousands.

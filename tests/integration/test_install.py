@@ -8,12 +8,15 @@ import subprocess
 import sys
 import time
 import uuid
+import weakref
+from typing import Any
 
 import psycopg
 import pytest
 
 from relay.config import Config
-from relay.database import Database, Transaction
+from relay.database import POOLED_CONNECTION, Database, Transaction
+from relay.errors import DatabaseUnavailable
 from relay.marks import FailureMark, Marks
 from relay.sqlfiles import Names, query
 from tests.support import database
@@ -348,14 +351,16 @@ def test_marks_are_planned_each_time_and_the_claim_is_prepared(db_url):
     # kept until the table is next analyzed. For the claim that plan is an index walk
     # whatever the table's size; for a mark made while the table was small it is a
     # sequential scan, kept as a backlog piles up (80 ms to mark 100 rows of 2,300
-    # during a benchmark). So the relay prepares the claim and never the marks.
+    # during a benchmark). So the relay prepares the claim, once per connection, and
+    # never the marks.
     names = Names.for_config(Config())
 
-    async def batches(count: int) -> list[str]:
-        async with await psycopg.AsyncConnection.connect(db_url) as conn:
+    async def batches(count: int) -> list[tuple[str, str]]:
+        async with await psycopg.AsyncConnection.connect(db_url, **POOLED_CONNECTION) as conn:
+            prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
             for _ in range(count):
                 database.insert(db_url, [Event("a.b", "s")])
-                tx = Transaction(conn, names)
+                tx = Transaction(conn, names, prepared)
                 claim = await tx.claim(batch_size=10, max_attempts=20)
                 assert claim.rows
                 marks = Marks(
@@ -364,9 +369,45 @@ def test_marks_are_planned_each_time_and_the_claim_is_prepared(db_url):
                     failed=[FailureMark(str(uuid.uuid4()), 1, 1.0, "x")],
                 )
                 await tx.mark_and_commit(marks)
-            cursor = await conn.execute("select statement from pg_prepared_statements")
-            return [row[0] for row in await cursor.fetchall()]
+            cursor = await conn.execute("select name, statement from pg_prepared_statements")
+            return [(row[0], row[1]) for row in await cursor.fetchall()]
 
     prepared = asyncio.run(batches(8))
-    [claim] = prepared  # the marks ran 8 times each, and were never prepared
-    assert claim.startswith("-- Claim the next batch"), claim
+    [(name, statement)] = prepared  # the marks ran 8 times each, and were never prepared
+    assert name == "outbox_relay_claim"
+    assert "-- Claim the next batch" in statement, statement
+    with psycopg.connect(db_url) as conn:
+        unpublished = conn.execute(
+            "select count(*) from outbox_events where published_at is null"
+        ).fetchone()
+    assert unpublished == (0,)
+
+
+def test_the_prepared_claim_outlives_a_rollback_and_comes_back_after_a_deallocate(db_url):
+    # psycopg deallocates every prepared statement on ROLLBACK if it prepared any
+    # itself; pooled connections never let it. A claim deallocated anyway (a proxy's
+    # DISCARD ALL) fails one batch, and the next one prepares it again.
+    names = Names.for_config(Config())
+
+    async def claims() -> list[str]:
+        outcomes = []
+        async with await psycopg.AsyncConnection.connect(db_url, **POOLED_CONNECTION) as conn:
+            prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+            for step in ("first", "after rollback", "after deallocate", "retried"):
+                for _ in range(6):  # enough for psycopg to prepare it, if it would
+                    await conn.execute(query(names, "backlog"), {"max_attempts": 20})
+                if step == "after deallocate":
+                    await conn.execute("deallocate all")
+                database.insert(db_url, [Event("a.b", "s")])
+                try:
+                    claim = await Transaction(conn, names, prepared).claim(10, 20)
+                    outcomes.append(f"{step}: {len(claim.rows)}")
+                except DatabaseUnavailable as exc:
+                    outcomes.append(f"{step}: {exc}")
+                await conn.rollback()
+        return outcomes
+
+    outcomes = asyncio.run(claims())
+    assert outcomes[:2] == ["first: 1", "after rollback: 2"], outcomes
+    assert outcomes[2].startswith("after deallocate: claim: InvalidSqlStatementName"), outcomes
+    assert outcomes[3] == "retried: 4", outcomes
