@@ -79,6 +79,27 @@ def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind
     return Acked(duplicate=bool(reply.get("duplicate", False)))
 
 
+def send_queued(nc: Client) -> None:
+    """Hand the messages nats-py has queued to the socket now, in this task.
+
+    nats-py queues every PUB and leaves the write to its flusher task. Under
+    trio-asyncio that task's turn came 0.21 ms (median) after a wave was queued, at
+    light load a tenth of the time from a commit to the broker. This does what the
+    flusher would, short of waiting for the socket to drain (nats-py keeps its queue
+    under max_pending_size by flushing through the flusher, which does wait); the
+    flusher then finds nothing to write. It reads nats-py's private attributes: if a
+    release renames them, nothing is written here and the flusher writes as before
+    (a test checks they are still there).
+    """
+    pending = getattr(nc, "_pending", None)
+    transport = getattr(nc, "_transport", None)
+    if not pending or transport is None or not nc.is_connected:
+        return
+    transport.writelines(pending)
+    nc._pending = []
+    nc._pending_data_size = 0
+
+
 class _Wave:
     """The acks one wave waits for: a result slot per message, and one future that
     is set when the last outstanding ack arrives (one wake-up per wave, not one per
@@ -230,6 +251,7 @@ class Broker:
                 )
             except Exception as exc:  # noqa: BLE001 - every failure becomes a value
                 wave.settle(index, classify(exc))
+        send_queued(nc)
         if wave.pending:
             await asyncio.wait([wave.done], timeout=max(0.0, deadline - loop.time()))
         acks.forget(wave)
