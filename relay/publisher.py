@@ -116,6 +116,7 @@ class Publisher:
             failpoints=Failpoints(config.failpoints),
         )
         self.heartbeat = 0.0
+        self._woken = False
 
     async def run(self, stopping: trio.Event) -> None:
         """Drain, then sleep until woken, until ``stopping`` is set. A stop request
@@ -127,6 +128,7 @@ class Publisher:
         busy_streak = 0
         while not stopping.is_set():
             claimed = await self.drain(stopping)
+            self._awake()  # if the drain ran no batch
             if stopping.is_set():
                 break
             if not self._broker.connected:
@@ -159,8 +161,20 @@ class Publisher:
                 reasons = self._wakeup.take()
             else:
                 reasons = await self._wakeup.wait()
-            self._listener.wake_up()
+            # The sleep lock goes after the first batch (see _awake).
+            self._woken = True
             self._count(reasons)
+
+    def _awake(self) -> None:
+        """Just woken: let the sleep lock go, so that producers stop notifying.
+
+        Not before the first batch after a wake-up: the unlock is a statement on the
+        LISTEN connection, and it would compete with that batch for the CPU, on the
+        path from a commit to the broker. Until then producers still notify, for
+        one batch."""
+        if self._woken:
+            self._woken = False
+            self._listener.wake_up()
 
     def _count(self, reasons: frozenset[str]) -> None:
         self.heartbeat = trio.current_time()
@@ -237,7 +251,10 @@ class Publisher:
 
     async def run_pass(self) -> PassResult:
         """One batch, in one crossing into asyncio (see :mod:`relay.batch`)."""
-        outcome = await aio.call(self._batch.run)
+        try:
+            outcome = await aio.call(self._batch.run)
+        finally:
+            self._awake()
         if outcome.rows:
             self._record(outcome)
         return PassResult(len(outcome.rows), len(outcome.results), len(outcome.held))
