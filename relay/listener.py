@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -61,10 +62,18 @@ async def _connect_autocommit(conninfo: str) -> psycopg.AsyncConnection[Any]:
     )
 
 
-async def _wait_for_notification(conn: psycopg.AsyncConnection[Any], seconds: float) -> int:
-    """asyncio side: up to ``seconds`` for the first notification; how many came."""
+async def _wait_for_notification(
+    conn: psycopg.AsyncConnection[Any], seconds: float, notified: Callable[[], None]
+) -> int:
+    """asyncio side: up to ``seconds`` for the first notification; how many came.
+
+    ``notified`` is called as soon as one comes, here on the asyncio side: the way
+    back to trio (the return of this call) took 0.22 ms (median) at light load, and
+    the publisher need not wait for it. trio-asyncio runs asyncio callbacks inside
+    a trio task, so a synchronous trio call such as setting an Event is allowed."""
     received = 0
     async for _ in conn.notifies(timeout=seconds, stop_after=1):
+        notified()
         received += 1
     return received
 
@@ -180,9 +189,7 @@ class Listener:
             while True:
                 await self._serve_requests(conn)
                 outcome = await self._wait(conn)
-                if outcome == "notify":
-                    self._wakeup.set("notify")
-                elif outcome == "quiet":
+                if outcome == "quiet":
                     # Quiet for a whole keepalive: make sure the connection still works.
                     await self._execute(sql.SQL("select 1"), conn)
         finally:
@@ -224,6 +231,9 @@ class Listener:
     ) -> tuple[Any, ...] | None:
         return await aio.call(_execute_or_break, conn, statement, self._probe_timeout)
 
+    def _notified(self) -> None:
+        self._wakeup.set("notify")
+
     def _answer_request(self, answer: Sleep) -> None:
         channel, self._answer = self._answer, None
         if channel is not None:
@@ -238,7 +248,9 @@ class Listener:
 
                 async def notifications() -> None:
                     nonlocal outcome
-                    if await aio.call(_wait_for_notification, conn, self._keepalive):
+                    if await aio.call(
+                        _wait_for_notification, conn, self._keepalive, self._notified
+                    ):
                         outcome = "notify"
                     nursery.cancel_scope.cancel()
 
