@@ -64,8 +64,8 @@ POOLED_CONNECTION: dict[str, Any] = {"autocommit": True, "prepare_threshold": No
 # as one simple-protocol message. A driver-side transaction would cost a round trip
 # for its BEGIN before the claim could be sent: a claim of one row took 0.68 ms that
 # way and 0.47 ms this way here, 0.98 and 0.67 ms on a machine idle since the
-# previous row (most claims at light load). Prepared, the claim is not planned again
-# each time (0.4 ms).
+# previous row (most claims at light load). It stays prepared, as psycopg's own
+# preparation had it: planning it took 0.4 ms.
 CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim")
 
 # How long giving a connection back may take (its rollback) before the connection

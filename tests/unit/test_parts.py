@@ -18,6 +18,8 @@ from relay.logs import JsonFormatter, TextFormatter
 from relay.metrics import LATENCY_BUCKETS, BatchHistogram, BoundedLabel
 from relay.sqlfiles import (
     Names,
+    claim_execution,
+    claim_preparation,
     install_script,
     parse_named_blocks,
     queries,
@@ -44,6 +46,20 @@ def test_every_query_composes_with_configured_identifiers():
     assert '"Outbox_unpublished_idx"' in scripts
     assert '"billing"."Outbox_relay_notify"()' in scripts
     assert "drop table" not in uninstall_script(names).as_string().lower()
+
+
+def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
+    names = Names.for_config(Config(table=("billing", "Outbox")))
+    statement = sql.Identifier("outbox_relay_claim")
+    prepared = claim_preparation(names, statement).as_string()
+    assert prepared.startswith('prepare "outbox_relay_claim" (integer, integer) as\n')
+    assert "%(" not in prepared
+    assert prepared.count("$1") == 2  # batch_size: the horizon's offset, the limit
+    assert prepared.count("$2") == 5  # max_attempts
+    assert '"billing"."Outbox"' in prepared
+    assert claim_execution(statement, 500, 20).as_string() == (
+        'begin; execute "outbox_relay_claim" (500, 20)'
+    )
 
 
 def test_identifiers_are_quoted_not_formatted():
