@@ -53,11 +53,16 @@ _CONNECTION_DEFAULTS = {
     "tcp_user_timeout": "10000",
 }
 
-# Every pooled connection is in autocommit and never prepares a statement by itself:
-# a batch opens its own transaction in the same message as its claim (see
-# CLAIM_STATEMENT), and a statement that psycopg prepared would make it drop every
-# prepared statement, the claim's too, at the next rollback (psycopg deallocates
-# all of them on ROLLBACK).
+# Every pooled connection is in autocommit and never prepares a statement by itself.
+# Autocommit: a batch opens its own transaction in the same message as its claim
+# (see CLAIM_STATEMENT). Never prepared, for two reasons. A statement that psycopg
+# prepared would make it drop every prepared statement, the claim's too, at the next
+# rollback (psycopg deallocates all of them on ROLLBACK). And a prepared statement
+# soon runs on one generic plan, made without its parameters in hand and kept until
+# the table is next analyzed: for the marks, made while the table was small (a new
+# or truncated table), that plan is a sequential scan, and stays one as a backlog
+# piles up (80 ms to mark 100 rows of 2,300 during a benchmark here). Planned each
+# time, a mark looks its rows up by primary key.
 POOLED_CONNECTION: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
 
 # The claim, prepared once on each pooled connection. A batch sends "begin; execute"
@@ -129,16 +134,11 @@ async def _execute_and_commit(
     statements: list[tuple[sql.Composed, dict[str, Any]]],
     crash_before_commit: Callable[[], None] | None,
 ) -> None:
-    """asyncio side: the statements and the commit in one pipeline sync.
-
-    Never prepared: a prepared statement soon runs on one generic plan, made without
-    the ids in hand and kept until the table is next analyzed. Made while the table
-    was small (a new or truncated table), that plan is a sequential scan, and stays
-    one as a backlog piles up: 80 ms to mark 100 rows of 2,300 during a benchmark
-    here. Planned each time, a mark looks its rows up by primary key."""
+    """asyncio side: the statements and the commit in one pipeline sync (on a
+    pooled connection, so never prepared: see POOLED_CONNECTION)."""
     async with conn.pipeline() as pipeline:
         for statement, params in statements:
-            await conn.execute(statement, params, prepare=False)
+            await conn.execute(statement, params)
         if crash_before_commit is not None:
             # Test-only: let the server apply the marks, then die before COMMIT.
             await pipeline.sync()
@@ -206,7 +206,7 @@ class Transaction:
         conn = self._conn
         async with translated("claim"):
             if conn not in self._prepared:
-                await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT), prepare=False)
+                await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT))
                 self._prepared.add(conn)
             cursor = psycopg.AsyncClientCursor(conn)
             try:

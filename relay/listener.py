@@ -208,11 +208,14 @@ class Listener:
     async def _serve_requests(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self._poke = trio.Event()
         if self._want_sleep and self._answer is not None:
-            # Still holding the lock: the publisher woke and asks to sleep again before
-            # this task got round to letting it go. Held all along, it is as good as
-            # new (every producer since it was granted has notified).
-            held = Sleep.SAFE if self._holding else None
-            self._answer_request(held or await self._take_sleep_lock(conn))
+            if self._holding:
+                # The publisher woke and asks to sleep again before this task got
+                # round to letting the lock go. Held all along, it is as good as new
+                # (every producer since it was granted has notified).
+                answer = Sleep.SAFE
+            else:
+                answer = await self._take_sleep_lock(conn)
+            self._answer_request(answer)
         elif not self._want_sleep and self._holding:
             await self._execute(query(self._names, "idle_unlock"), conn)
             self._holding = False
