@@ -24,6 +24,8 @@ create table if not exists campaign_domain (
 
 # Rows that can never be published, and odd but valid ones that must be.
 POISON_TYPES = ["bad subject", "x.*", "a..b", ".lead", "", "$SYS.nope"]
+# Kinds of odd row the poison mix writes that are valid, and so must be published.
+GOOD_KINDS = ("odd", "big_ok")
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Campaign:
         self.committed: list[Committed] = []
         self.in_doubt: dict[str, Committed] = {}
         self.rolled_back: set[str] = set()
+        # Ids of rows written to be unpublishable, and of odd rows that must publish.
         self.poison: set[str] = set()
         self.odd: set[str] = set()
         self._lock = threading.Lock()
@@ -79,6 +82,11 @@ class Campaign:
         self._stop.set()
         for thread in self._threads:
             thread.join(30)
+
+    def record(self, event: Committed) -> None:
+        """An event a test committed itself, beside the producers."""
+        with self._lock:
+            self.committed.append(event)
 
     def wait_for(self, events: int, timeout: float = 60.0) -> None:
         wait_until(
@@ -112,9 +120,11 @@ class Campaign:
         seq = producer.seq.get(subject, 0) + 1
         event_id = str(uuid.uuid4())
         event_type, data, source = self.event_type, {"subject": subject, "seq": seq}, "campaign"
-        poison = rng.random() < self.poison_rate
-        if poison:
-            event_type, data, source = self._poison_row(rng, subject, seq)
+        if rng.random() < self.poison_rate:
+            kind, event_type, data, source = self._poison_row(rng, subject, seq)
+            # Recorded before the commit: an in-doubt commit may still have happened.
+            with self._lock:
+                (self.odd if kind in GOOD_KINDS else self.poison).add(event_id)
         rollback = rng.random() < self.rollback_rate
         conn.execute(
             "insert into campaign_domain (entity, seq) values (%s, %s)",
@@ -141,19 +151,23 @@ class Campaign:
         with self._lock:
             self.committed.append(event)
 
-    def _poison_row(self, rng: random.Random, subject: str, seq: int) -> tuple[str, dict, str]:
-        kind = rng.choice(["invalid", "too_large", "no_stream", "odd", "big_ok"])
+    def _poison_row(self, rng: random.Random, subject: str, seq: int) -> tuple[str, str, dict, str]:
+        """(kind, event_type, data, source) of a row that can never be published, or
+        of an odd one that must be (``GOOD_KINDS``)."""
+        kind = rng.choice(["invalid", "too_large", "no_stream", *GOOD_KINDS])
         data: dict = {"subject": subject, "seq": seq}
         if kind == "invalid":
-            return rng.choice(POISON_TYPES), data, "campaign"
+            return kind, rng.choice(POISON_TYPES), data, "campaign"
         if kind == "too_large":
-            return self.event_type, {**data, "blob": "x" * (1024 * 1024 + 10)}, "campaign"
+            return kind, self.event_type, {**data, "blob": "x" * (1024 * 1024 + 10)}, "campaign"
         if kind == "no_stream":
-            return f"nostream{self.stream.prefix}.x", data, "campaign"
+            return kind, f"nostream{self.stream.prefix}.x", data, "campaign"
         if kind == "odd":
             # Unicode and odd (NUL-free) strings in every text column.
-            return self.event_type, {**data, "text": "żółć 🚀 \\\" ' \t \u202e"}, 'sørce ✓ "q"'
-        return self.event_type, {**data, "blob": "y" * rng.choice([7_999, 100_000])}, "campaign"
+            odd = {**data, "text": "żółć 🚀 \\\" ' \t \u202e"}
+            return kind, self.event_type, odd, 'sørce ✓ "q"'
+        big = {**data, "blob": "y" * rng.choice([7_999, 100_000])}
+        return kind, self.event_type, big, "campaign"
 
     # -- checking ----------------------------------------------------------------
 
@@ -184,4 +198,4 @@ class Campaign:
             envelope = message.envelope
             data = envelope.get("data") or {}
             messages.append(Stored(message.msg_id, envelope["subject"], int(data.get("seq", 0))))
-        return check(committed, table, messages, max_attempts=max_attempts)
+        return check(committed, table, messages, max_attempts=max_attempts, poison=self.poison)

@@ -5,7 +5,7 @@ record; the stream is read back in full."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
 
@@ -35,6 +35,11 @@ class RowState:
 
 @dataclass
 class Verdict:
+    """What the history shows. Every list names row ids. A good row (any row that is
+    not poison) must end in the stream; a poison row must end dead and never in the
+    stream. A dead good row is a failure like any other: the relay gave up on an
+    event it could have published."""
+
     committed: int = 0
     stored: int = 0
     lost: list[str] = field(default_factory=list)
@@ -43,7 +48,10 @@ class Verdict:
     duplicates: int = 0
     order_inversions: list[tuple[str, int, int]] = field(default_factory=list)
     stuck: list[str] = field(default_factory=list)
-    dead: int = 0
+    dead: list[str] = field(default_factory=list)
+    poison: int = 0
+    poison_dead: int = 0
+    poison_published: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -53,6 +61,8 @@ class Verdict:
             or self.marked_but_missing
             or self.order_inversions
             or self.stuck
+            or self.dead
+            or self.poison_published
         )
 
     def summary(self) -> str:
@@ -61,7 +71,17 @@ class Verdict:
             f"unexpected {len(self.unexpected)}, marked but missing "
             f"{len(self.marked_but_missing)}, duplicates {self.duplicates}, order "
             f"inversions {len(self.order_inversions)}, stuck {len(self.stuck)}, "
-            f"dead {self.dead}"
+            f"good rows dead {len(self.dead)}, poison {self.poison} "
+            f"(dead {self.poison_dead}, published {len(self.poison_published)})"
+        )
+
+    def details(self) -> str:
+        """The first few ids of each failure, for an assertion message."""
+        return (
+            f"lost {self.lost[:5]} unexpected {self.unexpected[:5]} marked but missing "
+            f"{self.marked_but_missing[:5]} inversions {self.order_inversions[:5]} "
+            f"stuck {self.stuck[:5]} dead {self.dead[:5]} "
+            f"poison published {self.poison_published[:5]}"
         )
 
 
@@ -71,28 +91,37 @@ def check(
     stream: Iterable[Stored],
     *,
     max_attempts: int,
+    poison: Set[str] = frozenset(),
 ) -> Verdict:
+    """``poison``: ids of the rows written to be unpublishable (a superset is fine:
+    only the committed ones count)."""
     committed = list(committed)
     stream = list(stream)
     verdict = Verdict(committed=len(committed), stored=len(stream))
     truth = {event.id for event in committed}
+    bad = truth & poison
+    good = truth - bad
     copies = Counter(message.id for message in stream)
     in_stream = set(copies)
-    dead = {
+    at_cap = {
         row_id
         for row_id, row in table.items()
         if not row.published and row.attempts >= max_attempts
     }
-    verdict.dead = len(dead & truth)
-    # Lost: committed, not in the stream, and not a row the relay gave up on (a dead
-    # row is reported, loudly, by the relay itself; it is not silently lost).
-    verdict.lost = sorted(truth - in_stream - dead)
+    # Lost: a good event the stream does not have, whatever the table says (dead,
+    # stuck, marked, or gone).
+    verdict.lost = sorted(good - in_stream)
+    verdict.dead = sorted(good & at_cap)
+    verdict.poison = len(bad)
+    verdict.poison_dead = len(bad & at_cap)
+    verdict.poison_published = sorted(bad & in_stream)
     # Unexpected: in the stream but never committed (a rolled-back write, say).
     verdict.unexpected = sorted(in_stream - truth)
     verdict.marked_but_missing = sorted(
         row_id for row_id, row in table.items() if row.published and row_id not in in_stream
     )
     verdict.duplicates = sum(count - 1 for count in copies.values())
+    # Stuck: left unpublished short of the cap (a poison row too: it must reach it).
     verdict.stuck = sorted(
         row_id for row_id, row in table.items() if not row.published and row.attempts < max_attempts
     )

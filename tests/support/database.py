@@ -101,3 +101,14 @@ def rows_by_id(url: str) -> dict[str, dict[str, Any]]:
 
 def unpublished_count(url: str) -> int:
     return int(fetch(url, "select count(*) from outbox_events where published_at is null")[0][0])
+
+
+def dead_count(url: str, max_attempts: int) -> int:
+    """Unpublished rows at the attempt cap."""
+    return int(
+        fetch(
+            url,
+            "select count(*) from outbox_events where published_at is null and attempts >= %s",
+            (max_attempts,),
+        )[0][0]
+    )

@@ -38,12 +38,47 @@ def test_lost_event_is_reported():
     assert not verdict.ok
 
 
-def test_dead_row_is_not_lost_but_counted():
+def test_a_good_row_at_the_cap_fails_the_verdict():
+    # The relay gave up on an event it could have published: that is a loss, even
+    # though the relay reported it.
     verdict = check(history(("a", "s", 1)), {"a": RowState(False, 5)}, [], max_attempts=5)
-    assert verdict.lost == []
+    assert verdict.dead == ["a"]
+    assert verdict.lost == ["a"]
     assert verdict.stuck == []
-    assert verdict.dead == 1
-    assert verdict.ok
+    assert not verdict.ok
+
+
+def test_a_poison_row_at_the_cap_is_expected():
+    verdict = check(
+        history(("a", "s", 1), ("p", "s", 2), ("b", "s", 3)),
+        {"a": PUBLISHED, "p": RowState(False, 5), "b": PUBLISHED},
+        stored(("a", "s", 1), ("b", "s", 3)),
+        max_attempts=5,
+        poison={"p", "rolled-back-poison"},
+    )
+    assert verdict.ok, verdict.summary()
+    assert (verdict.poison, verdict.poison_dead, verdict.dead) == (1, 1, [])
+
+
+def test_a_published_poison_row_fails_the_verdict():
+    verdict = check(
+        history(("p", "s", 1)),
+        {"p": PUBLISHED},
+        stored(("p", "s", 1)),
+        max_attempts=5,
+        poison={"p"},
+    )
+    assert verdict.poison_published == ["p"]
+    assert not verdict.ok
+
+
+def test_a_poison_row_short_of_the_cap_is_stuck():
+    verdict = check(
+        history(("p", "s", 1)), {"p": RowState(False, 2)}, [], max_attempts=5, poison={"p"}
+    )
+    assert verdict.stuck == ["p"]
+    assert verdict.lost == []
+    assert not verdict.ok
 
 
 def test_unexpected_message_from_a_rolled_back_write():
