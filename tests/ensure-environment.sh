@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the test suite needs beyond the virtual environment:
-# - Debian packages for the deploy/ checks (below);
+# - Debian packages for the deploy/ checks and for the packet-dropping proxy mode
+#   of the fault tests (below);
 # - the machine's shared Postgres (127.0.0.1:5432) and NATS with JetStream
 #   (127.0.0.1:4222), started the way this kind of machine starts them if down.
 # Throwaway servers for the fault tests are started by the tests themselves.
@@ -15,11 +16,14 @@ wait_port() {
 }
 
 # Debian packages the deploy/ checks use: promtool (in prometheus) for the alert
-# rules, docker-compose for `docker-compose config`, systemd-analyze for the unit.
+# rules, docker-compose for `docker-compose config`, systemd-analyze for the unit;
+# and nft (nftables), with which the fault tests' proxy drops the packets of its own
+# loopback port.
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
+command -v nft >/dev/null || missing+=(nftables)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "ensure-environment: installing ${missing[*]}"
