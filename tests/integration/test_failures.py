@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 from itertools import pairwise
 
@@ -48,6 +47,16 @@ def refusing(stream):
     created.delete()
 
 
+def passes_after(relay, count: int) -> None:
+    """Until the relay has woken by its poll ``count`` more times: each such pass
+    read the table, so what a test expects it to leave alone has had its chances."""
+    start = relay.metric("outbox_relay_wakeups_total", reason="poll")
+    wait_until(
+        lambda: relay.metric("outbox_relay_wakeups_total", reason="poll") >= start + count,
+        message=f"{count} more polls",
+    )
+
+
 def failure_times(relay, row_id: str) -> list[tuple[float, int]]:
     """(log time, attempts) of each logged failed publish of one row."""
     out = []
@@ -59,7 +68,26 @@ def failure_times(relay, row_id: str) -> list[tuple[float, int]]:
     return out
 
 
+# Every change of a row's attempts, as the server saw it: the retry time the relay
+# stored, and when it stored it (the same clock, in the same statement).
+ATTEMPT_LOG = """
+create table attempt_log (
+  id uuid, attempts int, retry_at timestamptz, logged_at timestamptz default clock_timestamp());
+create function log_attempt() returns trigger language plpgsql as $$
+begin
+  if new.attempts is distinct from old.attempts then
+    insert into attempt_log (id, attempts, retry_at)
+    values (new.id, new.attempts, new.relay_retry_at);
+  end if;
+  return new;
+end $$;
+create trigger log_attempt after update on outbox_events
+  for each row execute function log_attempt();
+"""
+
+
 def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusing, start_relay):
+    database.execute(db_url, ATTEMPT_LOG)
     relay = start_relay(
         backoff_base="200ms", backoff_max="800ms", max_attempts=6, poll_interval="50ms"
     )
@@ -77,12 +105,23 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
     assert row["relay_last_error"].startswith("other: JetStream refused the message")
     times = failure_times(relay, row_id)
     assert [attempts for _, attempts in times] == [1, 2, 3, 4, 5]  # the 6th logs as dead
-    for (earlier, attempts), (later, _) in pairwise(times):
-        # Never before its backoff; the 50 ms poll bounds how late it can be.
-        waited = later - earlier
+    log = database.fetch(
+        db_url,
+        "select attempts, extract(epoch from retry_at - logged_at)::float8, "
+        "extract(epoch from logged_at)::float8, extract(epoch from retry_at)::float8 "
+        "from attempt_log where id = %s order by logged_at",
+        (row_id,),
+    )
+    assert [attempts for attempts, *_ in log] == [1, 2, 3, 4, 5, 6]
+    for attempts, stored_delay, _, _ in log[:-1]:
+        # The retry time is the mark's clock plus the delay; the trigger's clock reads
+        # a moment after the mark's, so the stored delay is at most the expected one.
         expected = row_retry_delay(attempts, 0.2, 0.8)
-        assert waited >= expected - 0.02, (attempts, waited)
-        assert waited <= expected + 1.0, (attempts, waited)
+        assert expected - 0.1 < stored_delay <= expected, (attempts, stored_delay)
+    assert log[-1][1] is None  # at the cap: no retry time
+    for (_, _, _, retry_at), (attempts, _, tried_at, _) in pairwise(log):
+        # Never tried again before the stored retry time.
+        assert tried_at > retry_at, (attempts, tried_at, retry_at)
     dead_lines = [
         r
         for r in relay.log_records()
@@ -95,8 +134,9 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
         )
         == 6
     )
-    # At the cap it is left alone: no more attempts, no more log lines.
-    time.sleep(1.0)
+    # At the cap it is left alone: no more attempts, no more log lines, through many
+    # passes of the relay over the table.
+    passes_after(relay, 10)
     assert database.rows_by_id(db_url)[row_id]["attempts"] == 6
     assert len(failure_times(relay, row_id)) == 5
     wait_until(lambda: relay.metric("outbox_relay_dead_rows") == 1, message="dead gauge")
@@ -202,7 +242,10 @@ def test_failing_row_holds_its_subject_back_and_nothing_else(db_url, stream, ref
     other = [Event(stream.subject("ok"), "account-2", {"n": i}) for i in range(5)]
     database.insert_in_order(db_url, [first, failing, after, *other], commit_each=True)
     wait_until(lambda: len(stream.read()) == 6, message="first row and the other subject")
-    time.sleep(1.0)  # several backoff rounds of the failing row
+    wait_until(  # several backoff rounds of the failing row
+        lambda: database.rows_by_id(db_url)[str(failing.id)]["attempts"] >= 3,
+        message="retries of the failing row",
+    )
     ids = [m.msg_id for m in stream.read()]
     assert str(after.id) not in ids  # waits behind the failing row
     assert set(ids) == {str(first.id), *(str(e.id) for e in other)}
@@ -237,7 +280,10 @@ def test_failing_row_holds_its_subject_in_a_deep_backlog(db_url, stream, refusin
     )  # fmt: skip
     others = len(events) - 1 - len(behind)
     wait_until(lambda: len(stream.read()) == others, message="every other subject")
-    time.sleep(1.0)  # several backoff rounds of the failing row
+    wait_until(  # several backoff rounds of the failing row
+        lambda: database.rows_by_id(db_url)[str(failing.id)]["attempts"] >= 3,
+        message="retries of the failing row",
+    )
     assert {m.msg_id for m in stream.read()} == {
         str(e.id) for e in events if e is not failing and e not in behind
     }
@@ -270,8 +316,10 @@ def test_backoff_holds_across_a_restart(db_url, refusing, start_relay):
     )
     assert first.stop() == 0
     refusing.accept()  # it would succeed now, if it were tried
-    start_relay(backoff_base="20s", backoff_max="20s", max_attempts=10, poll_interval="50ms")
-    time.sleep(1.0)
+    second = start_relay(
+        backoff_base="20s", backoff_max="20s", max_attempts=10, poll_interval="50ms"
+    )
+    passes_after(second, 10)
     row = database.rows_by_id(db_url)[str(event.id)]
     assert row["attempts"] == 1
     assert row["published_at"] is None  # still waiting out the 20 s from before

@@ -62,10 +62,18 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     )
 
 
-def test_identifiers_are_quoted_not_formatted():
-    names = Names.for_config(Config(table=("outbox_events",)))
-    assert isinstance(names.table, sql.Identifier)
-    assert isinstance(names.channel, sql.Literal)
+def test_configured_names_cannot_break_out_of_their_quotes():
+    # A table or channel name is data, never SQL: quotes are doubled, so no name can
+    # end its identifier or literal early and add a statement of its own.
+    names = Names.for_config(
+        Config(table=('we"ird', 'x"; drop table t; --'), channel="it's; drop table t")
+    )
+    claim = query(names, "claim").as_string()
+    assert '"we""ird"."x""; drop table t; --"' in claim
+    assert claim.count("drop table t") == claim.count('"x""; drop table t; --"')
+    scripts = " ".join(s.as_string() for s in install_script(names))
+    assert "pg_notify('it''s; drop table t', '')" in scripts
+    assert "'it's" not in scripts
 
 
 def test_default_install_uses_the_contract_names():
