@@ -40,6 +40,8 @@ def _uuid(text: str) -> uuid.UUID:
 
 def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
     for option in options:
+        if option.test_only:
+            continue
         parser.add_argument(
             option.flag,
             dest=option.name,
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[argparse.Namespace, Config]:
     args = build_parser().parse_args(argv)
     options = _options_for(args.command)
-    config = build_config({o.name: getattr(args, o.name) for o in options}, environ, options)
+    config = build_config({o.name: getattr(args, o.name, None) for o in options}, environ, options)
     return args, config
 
 

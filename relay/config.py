@@ -165,6 +165,8 @@ class Option:
     parse: Callable[[str], Any]
     help: str
     show: Callable[[Any], str] = str
+    # Read from its variable only: no flag, and not in --help or the README's table.
+    test_only: bool = False
 
     @property
     def flag(self) -> str:
@@ -224,8 +226,9 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option(
         "failpoints",
         _failpoints,
-        "test-only: comma-separated failpoints to enable",
+        "comma-separated failpoints to enable (the fault tests' crash windows)",
         lambda v: ",".join(sorted(v)),
+        test_only=True,
     ),
 )
 

@@ -11,6 +11,8 @@ from relay.config import RUN_OPTIONS, default_value
 def options_table() -> str:
     lines = ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
     for option in RUN_OPTIONS:
+        if option.test_only:
+            continue
         default = option.show(default_value(option)) or "(none)"
         lines.append(f"| `{option.flag}` | `{option.env}` | `{default}` | {option.help} |")
     return "\n".join(lines)

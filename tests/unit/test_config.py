@@ -85,7 +85,7 @@ def test_required_environment_variables_are_read():
         (["run", "--poll-interval", "0s"], {}, "--poll-interval"),
         (["run", "--table", "x;drop"], {}, "--table"),
         (["run", "--log-format", "xml"], {}, "--log-format"),
-        (["run", "--failpoints", "crash-somewhere"], {}, "--failpoints"),
+        (["run"], {"OUTBOX_RELAY_FAILPOINTS": "crash-somewhere"}, "OUTBOX_RELAY_FAILPOINTS"),
         (["run", "--backoff-base", "10s", "--backoff-max", "1s"], {}, "--backoff-max"),
     ],
 )
@@ -108,10 +108,18 @@ def test_help_shows_every_option_with_its_variable_and_default():
     text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     flat = " ".join(text.split())
     for option in RUN_OPTIONS:
-        assert option.flag in flat
-        assert option.env in flat
+        assert (option.flag in flat) is not option.test_only
+        assert (option.env in flat) is not option.test_only
     assert "default 500" in flat
     assert "default 1s" in flat
+
+
+def test_failpoints_are_a_variable_for_the_tests_never_a_flag(capsys):
+    _, config = parse(["run"], {"OUTBOX_RELAY_FAILPOINTS": "crash-after-mark"})
+    assert config.failpoints == {"crash-after-mark"}
+    with pytest.raises(SystemExit):
+        parse(["run", "--failpoints", "crash-after-mark"], {})
+    assert "unrecognized arguments: --failpoints" in capsys.readouterr().err
 
 
 def test_config_error_names_the_option():
