@@ -1,8 +1,8 @@
 """`outbox-relay demo`: the relay at work in one command.
 
 It starts throwaway Postgres and NATS JetStream servers (or uses the ones named
-by OUTBOX_RELAY_DATABASE_URL / OUTBOX_RELAY_NATS_URL), installs the SQL, creates
-a demo stream, and runs three things until Ctrl-C:
+by OUTBOX_RELAY_DATABASE_URL / OUTBOX_RELAY_NATS_URL), installs the SQL on a table
+of its own, creates a stream of its own, and runs three things until Ctrl-C:
 
 - a producer that writes a domain row (an order) and its event in ONE transaction,
   the way every service using the outbox must;
@@ -11,7 +11,8 @@ a demo stream, and runs three things until Ctrl-C:
   same transaction as its own work (see :func:`handle`), as the contract says.
 
 It prints one live line: events/s, backlog, and commit-to-consumer latency. On
-Ctrl-C everything it started is stopped and what it created is removed.
+Ctrl-C everything it started is stopped and what it created is removed. Against a
+real database and NATS it touches nothing but its own (see :class:`DemoNames`).
 """
 
 from __future__ import annotations
@@ -27,20 +28,21 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import nats
 import psycopg
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from relay.config import Config, redact_url
 from relay.database import connection_string, install
 from relay.localservers import throwaway_nats, throwaway_postgres
 from relay.sqlfiles import Names
-
-STREAM = "OUTBOX_RELAY_DEMO"
-SUBJECTS = "demo.>"
 
 SCHEMA = """
 create table if not exists demo_orders (
@@ -52,13 +54,54 @@ create table if not exists demo_shipments (
 create table if not exists demo_processed_events (
   event_id uuid primary key, processed_at timestamptz not null default now());
 """
-TEARDOWN = """
-drop table if exists demo_orders, demo_shipments, demo_processed_events;
-delete from outbox_events where event_type like 'demo.%';
-"""
 
 
-async def place_order(conn: psycopg.AsyncConnection[Any], customer: str) -> None:
+@dataclass(frozen=True)
+class DemoNames:
+    """Everything the demo creates is named after one token, so that it can run
+    beside a real outbox (the user's table, channel, stream and subjects) and
+    remove exactly what it made: a schema that holds its outbox table, trigger and
+    domain tables; a NATS channel; a stream capturing only its own subjects."""
+
+    token: str
+
+    @classmethod
+    def new(cls) -> DemoNames:
+        return cls(uuid.uuid4().hex[:12])
+
+    @property
+    def schema(self) -> str:
+        return f"outbox_relay_demo_{self.token}"
+
+    @property
+    def table(self) -> tuple[str, str]:
+        return (self.schema, "outbox_events")
+
+    @property
+    def channel(self) -> str:
+        return self.schema
+
+    @property
+    def event_type(self) -> str:
+        return f"{self.schema}.order.placed"
+
+    @property
+    def subjects(self) -> str:
+        return f"{self.schema}.>"
+
+    @property
+    def stream(self) -> str:
+        return self.schema.upper()
+
+    def conninfo(self, conninfo: str) -> str:
+        """``conninfo`` with the demo's schema as the only one searched, so the
+        demo's unqualified statements (the README's examples) reach its own tables."""
+        params = conninfo_to_dict(conninfo)
+        options = f"{params.get('options') or ''} -c search_path={self.schema}".strip()
+        return make_conninfo(conninfo, options=options)
+
+
+async def place_order(conn: psycopg.AsyncConnection[Any], customer: str, event_type: str) -> None:
     """The producer side of the outbox: the domain write and its event commit (or
     roll back) together. The event id is made here, before the insert."""
     order_id, event_id = uuid.uuid4(), uuid.uuid4()
@@ -70,8 +113,8 @@ async def place_order(conn: psycopg.AsyncConnection[Any], customer: str) -> None
         )
         await conn.execute(
             "insert into outbox_events (id, event_type, source, subject, time, data) "
-            "values (%s, 'demo.order.placed', 'demo-shop', %s, now(), %s)",
-            (event_id, f"order/{order_id}",
+            "values (%s, %s, 'demo-shop', %s, now(), %s)",
+            (event_id, event_type, f"order/{order_id}",
              json.dumps({"order_id": str(order_id), "customer": customer, "amount_cents": amount})),
         )  # fmt: skip
 
@@ -103,17 +146,21 @@ class Stats:
         self.latencies: list[float] = []
 
 
-async def produce(url: str, stop: asyncio.Event, rate: float) -> None:
+async def produce(url: str, names: DemoNames, stop: asyncio.Event, rate: float) -> None:
     customers = ["ada", "grace", "edsger", "barbara", "ken", "leslie"]
     async with await psycopg.AsyncConnection.connect(url) as conn:
         while not stop.is_set():
-            await place_order(conn, random.choice(customers))
+            await place_order(conn, random.choice(customers), names.event_type)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), random.expovariate(rate))
 
 
-async def consume(url: str, js: JetStreamContext, stop: asyncio.Event, stats: Stats) -> None:
-    subscription = await js.pull_subscribe(SUBJECTS, durable="demo-shipping", stream=STREAM)
+async def consume(
+    url: str, names: DemoNames, js: JetStreamContext, stop: asyncio.Event, stats: Stats
+) -> None:
+    subscription = await js.pull_subscribe(
+        names.subjects, durable="demo-shipping", stream=names.stream
+    )
     async with await psycopg.AsyncConnection.connect(url) as conn:
         while not stop.is_set():
             try:
@@ -157,52 +204,67 @@ async def report(url: str, stop: asyncio.Event, stats: Stats) -> None:
 
 
 async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float | None) -> None:
-    config = Config(database_url=database_url, nats_urls=(nats_url,))
+    names = DemoNames.new()
+    config = Config(
+        database_url=database_url, nats_urls=(nats_url,), table=names.table, channel=names.channel
+    )
     conninfo = connection_string(database_url)
-    await asyncio.to_thread(install, conninfo, Names.for_config(config))
+    demo_conninfo = names.conninfo(conninfo)
     async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-        await conn.execute(SCHEMA)
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    with contextlib.suppress(nats.js.errors.NotFoundError):
-        await js.delete_stream(STREAM)
-    await js.add_stream(name=STREAM, subjects=[SUBJECTS])
-    relay = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "relay", "run",
-        env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": database_url,
-             "OUTBOX_RELAY_NATS_URL": nats_url, "OUTBOX_RELAY_METRICS_PORT": "0",
-             "OUTBOX_RELAY_LOG_LEVEL": "warning"},
-        # Its own session: Ctrl-C reaches the demo, which stops the producer first
-        # and then the relay, in that order.
-        start_new_session=True,
-    )  # fmt: skip
-    print(f"relay running (pid {relay.pid}) against {redact_url(database_url)} and {nats_url}")
-    print("producing orders; press Ctrl-C to stop\n")
+        await conn.execute(sql.SQL("create schema {}").format(sql.Identifier(names.schema)))
+    nc: NatsClient | None = None
+    relay: asyncio.subprocess.Process | None = None
     stop, stats = asyncio.Event(), Stats()
-    tasks = [
-        asyncio.create_task(produce(conninfo, stop, rate)),
-        asyncio.create_task(consume(conninfo, js, stop, stats)),
-        asyncio.create_task(report(conninfo, stop, stats)),
-    ]
-    finished = asyncio.Event()
-    # Ctrl-C cancels this coroutine (asyncio.Runner); SIGTERM ends it the same way.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, finished.set)
+    tasks: list[asyncio.Task[None]] = []
     try:
+        await asyncio.to_thread(install, conninfo, Names.for_config(config))
+        async with await psycopg.AsyncConnection.connect(demo_conninfo, autocommit=True) as conn:
+            await conn.execute(SCHEMA)
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await js.add_stream(name=names.stream, subjects=[names.subjects])
+        relay = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relay", "run",
+            env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": database_url,
+                 "OUTBOX_RELAY_NATS_URL": nats_url, "OUTBOX_RELAY_METRICS_PORT": "0",
+                 "OUTBOX_RELAY_TABLE": ".".join(names.table),
+                 "OUTBOX_RELAY_CHANNEL": names.channel, "OUTBOX_RELAY_LOG_LEVEL": "warning"},
+            # Its own session: Ctrl-C reaches the demo, which stops the producer first
+            # and then the relay, in that order.
+            start_new_session=True,
+        )  # fmt: skip
+        print(
+            f"relay running (pid {relay.pid}) against {redact_url(database_url)} and {nats_url}, "
+            f"on the demo's own table {'.'.join(names.table)} and stream {names.stream}"
+        )
+        print("producing orders; press Ctrl-C to stop\n")
+        tasks = [
+            asyncio.create_task(produce(demo_conninfo, names, stop, rate)),
+            asyncio.create_task(consume(demo_conninfo, names, js, stop, stats)),
+            asyncio.create_task(report(demo_conninfo, stop, stats)),
+        ]
+        finished = asyncio.Event()
+        # Ctrl-C cancels this coroutine (asyncio.Runner); SIGTERM ends it the same way.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, finished.set)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(finished.wait(), seconds)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(ProcessLookupError):  # it may have stopped by itself
-            relay.terminate()
-        await relay.wait()
-        with contextlib.suppress(Exception):
-            await js.delete_stream(STREAM)
-        await nc.close()
+        if relay is not None:
+            with contextlib.suppress(ProcessLookupError):  # it may have stopped by itself
+                relay.terminate()
+            await relay.wait()
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await nc.jetstream().delete_stream(names.stream)
+            await nc.close()
         async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-            await conn.execute(TEARDOWN)
-        print(f"\n\nstopped: {stats.consumed} orders shipped exactly once, "
-              f"{stats.duplicates} duplicate deliveries ignored")  # fmt: skip
+            await conn.execute(
+                sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(names.schema))
+            )
+    print(f"\n\nstopped: {stats.consumed} orders shipped exactly once, "
+          f"{stats.duplicates} duplicate deliveries ignored")  # fmt: skip
 
 
 def main(environ: Mapping[str, str], rate: float, seconds: float | None) -> int:

@@ -15,7 +15,9 @@ import pytest
 
 from relay import demo
 from tests.support import database
-from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL
+from tests.support.database import Event
+from tests.support.servers import SHARED_NATS_URL
+from tests.support.stream import run_js
 
 pytestmark = pytest.mark.integration
 
@@ -49,33 +51,54 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
     assert "done in" in result.stderr  # the progress line finished
 
 
-def test_demo_runs_and_cleans_up_after_itself():
-    url = database.create_database(SHARED_PG_URL)
-    try:
-        result = subprocess.run(
-            [sys.executable, "-m", "relay", "demo", "--seconds", "3", "--rate", "100"],
-            capture_output=True, text=True, timeout=120, check=False,
-            env={"OUTBOX_RELAY_DATABASE_URL": url, "OUTBOX_RELAY_NATS_URL": SHARED_NATS_URL,
-                 "PATH": "/usr/bin:/bin"},
-        )  # fmt: skip
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert "events/s" in result.stdout
-        shipped = re.search(r"stopped: (\d+) orders shipped exactly once", result.stdout)
-        assert shipped, result.stdout
-        assert int(shipped.group(1)) > 50
-        tables = database.fetch(
-            url, "select tablename from pg_tables where tablename like 'demo_%%'"
+def test_demo_beside_a_real_outbox_touches_nothing_of_it(db_url, stream):
+    """With the user's servers named, the demo runs beside their outbox: their rows,
+    their relay's channel and their stream are left exactly as they were, and what
+    the demo made is gone afterwards."""
+    theirs = Event(stream.subject("orders.placed"), "order-1")
+    database.insert(db_url, [theirs])
+    before = database.rows_by_id(db_url)
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "demo", "--seconds", "3", "--rate", "100"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={"OUTBOX_RELAY_DATABASE_URL": db_url, "OUTBOX_RELAY_NATS_URL": SHARED_NATS_URL,
+             "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "events/s" in result.stdout
+    shipped = re.search(r"stopped: (\d+) orders shipped exactly once", result.stdout)
+    assert shipped, result.stdout
+    assert int(shipped.group(1)) > 50
+    # Their row: unpublished, never tried, and not in their stream.
+    assert database.rows_by_id(db_url) == before
+    assert stream.read() == []
+    # Nothing of the demo's is left: no schema, no table, no stream.
+    assert (
+        database.fetch(
+            db_url, "select nspname from pg_namespace where nspname like 'outbox_relay_demo%%'"
         )
-        assert tables == []
-        assert database.fetch(url, "select count(*) from outbox_events") == [(0,)]
-    finally:
-        database.drop_database(SHARED_PG_URL, url)
+        == []
+    )
+    assert (
+        database.fetch(db_url, "select tablename from pg_tables where tablename like 'demo_%%'")
+        == []
+    )
+
+    async def demo_streams(js) -> list[str]:
+        return [name async for name in _stream_names(js) if name.startswith("OUTBOX_RELAY_DEMO")]
+
+    assert run_js(SHARED_NATS_URL, demo_streams) == []
+
+
+async def _stream_names(js):
+    for info in await js.streams_info():
+        yield info.config.name
 
 
 def test_consumer_does_its_work_once_per_envelope_id(db_url):
     async def main() -> tuple[bool, bool, int]:
         async with await psycopg.AsyncConnection.connect(db_url) as conn:
-            await conn.execute(demo.SCHEMA)
+            await conn.execute(demo.SCHEMA)  # the demo's tables, in the test's database
             await conn.commit()
             envelope = {"id": str(uuid.uuid4()), "data": {"order_id": str(uuid.uuid4())}}
             first = await demo.handle(conn, envelope)
