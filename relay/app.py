@@ -8,6 +8,7 @@ the batch in flight finish inside the publish timeout, then cancels the rest.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 
@@ -15,13 +16,16 @@ import trio
 
 from relay import aio
 from relay.backoff import ReconnectBackoff
+from relay.batch import Batch
 from relay.broker import Broker
 from relay.config import Config, redact_url
 from relay.database import Database
 from relay.errors import ConfigError, DatabaseUnavailable, SetupError
+from relay.failpoints import Failpoints
 from relay.gauges import run_gauges
 from relay.health import Health
 from relay.httpserver import HttpServer, metrics_route
+from relay.listen_connection import PostgresListenConnection
 from relay.listener import Listener
 from relay.metrics import Metrics
 from relay.publisher import Publisher
@@ -41,17 +45,29 @@ class Relay:
         self.database = Database(config)
         self.broker = Broker(config.nats_urls, self._broker_changed)
         self.listener = Listener(
-            conninfo=self.database.conninfo,
-            names=self.database.names,
+            connect=functools.partial(
+                PostgresListenConnection.connect,
+                self.database.conninfo,
+                self.database.names,
+                # A statement unanswered this long means the connection is dead, even
+                # if the kernel has not noticed (a path that drops packets sends no RST).
+                min(5.0, config.listen_keepalive),
+            ),
             channel=config.channel,
             keepalive=config.listen_keepalive,
             wakeup=self.wakeup,
             health=self.health,
             metrics=self.metrics,
         )
-        self.publisher = Publisher(
+        batch = Batch(
             config=config,
             database=self.database,
+            broker=self.broker,
+            failpoints=Failpoints(config.failpoints),
+        )
+        self.publisher = Publisher(
+            config=config,
+            run_batch=functools.partial(aio.call, batch.run),
             broker=self.broker,
             metrics=self.metrics,
             health=self.health,

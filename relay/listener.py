@@ -9,38 +9,29 @@ The sleep lock (see ``sql/install/003_notify_trigger.sql``) lives on this
 connection on purpose: if the connection dies, the lock goes with it, producers
 stop notifying, and the reconnect sweep covers the gap, exactly as for a lost
 LISTEN.
+
+This module decides; the connection itself is a port (:class:`ListenConnection`):
+Postgres's is :mod:`relay.listen_connection`, and the unit tests drive the same
+protocol through a fake, on a virtual clock.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-import psycopg
-import psycopg.errors
 import trio
-from psycopg import sql
-from psycopg.abc import Query
 
-from relay import aio
 from relay.backoff import ReconnectBackoff
-from relay.database import break_connection
+from relay.errors import RelayError
 from relay.health import Health
 from relay.metrics import Metrics
-from relay.sqlfiles import Names, query
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
-
-# How long the sleep lock may wait for producers in flight. While this connection
-# waits for a lock it cannot hear notifications (they are delivered afterwards), so
-# the wait is short; a producer transaction open for longer makes the publisher
-# claim again and retry, rather than sleep.
-SLEEP_LOCK_TIMEOUT_MS = 10
 
 
 class Sleep(enum.Enum):
@@ -52,50 +43,32 @@ class Sleep(enum.Enum):
     DEAF = "deaf"  # no LISTEN connection: only the poll and the reconnect wake us
 
 
-# How the LISTEN connection shows in pg_stat_activity (the pool's say "outbox-relay").
-APPLICATION_NAME = "outbox-relay listen"
+class ListenConnection(Protocol):
+    """The LISTEN connection as the listener uses it (Postgres's is
+    :class:`relay.listen_connection.PostgresListenConnection`). Every call raises a
+    :class:`~relay.errors.RelayError` when the connection fails or stops answering."""
 
+    async def listen(self, channel: str) -> None: ...
 
-async def _connect_autocommit(conninfo: str) -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(
-        conninfo, autocommit=True, application_name=APPLICATION_NAME
-    )
+    async def probe(self) -> None: ...
 
+    async def try_sleep_lock(self) -> bool:
+        """Take the sleep lock, waiting briefly for producers in flight; False when
+        they did not finish in time."""
+        ...
 
-async def _wait_for_notification(
-    conn: psycopg.AsyncConnection[Any], seconds: float, notified: Callable[[], None]
-) -> int:
-    """asyncio side: up to ``seconds`` for the first notification; how many came.
+    async def another_relay_sleeps(self) -> bool: ...
 
-    ``notified`` is called as soon as one comes, here on the asyncio side: the way
-    back to trio (the return of this call) took 0.22 ms (median) at light load, and
-    the publisher need not wait for it. trio-asyncio runs asyncio callbacks inside
-    a trio task, so a synchronous trio call such as setting an Event is allowed."""
-    received = 0
-    async for _ in conn.notifies(timeout=seconds, stop_after=1):
-        notified()
-        received += 1
-    return received
+    async def release_sleep_lock(self) -> None: ...
 
+    async def wait_for_notification(self, seconds: float, notified: Callable[[], None]) -> int:
+        """Up to ``seconds`` for a notification, calling ``notified`` as it comes; how
+        many came."""
+        ...
 
-async def _execute_or_break(
-    conn: psycopg.AsyncConnection[Any], statement: Query, seconds: float
-) -> tuple[Any, ...] | None:
-    """asyncio side: run ``statement``; its first row. A connection that does not
-    answer within ``seconds`` is broken on purpose, which makes the statement fail at
-    once: every statement on the LISTEN connection goes through here, so a silently
-    dead path is found whatever the connection was doing."""
-
-    def give_up() -> None:
-        log.warning("LISTEN connection unanswered after %.1fs: dropping it", seconds)
-        break_connection(conn)
-
-    watchdog = asyncio.get_running_loop().call_later(seconds, give_up)
-    try:
-        cursor = await conn.execute(statement)
-        return await cursor.fetchone() if cursor.description else None
-    finally:
-        watchdog.cancel()
+    async def close(self) -> None:
+        """Close, shielded and bounded: never raises."""
+        ...
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -112,21 +85,16 @@ class Listener:
     def __init__(
         self,
         *,
-        conninfo: str,
-        names: Names,
+        connect: Callable[[], Awaitable[ListenConnection]],
         channel: str,
         keepalive: float,
         wakeup: Wakeup,
         health: Health,
         metrics: Metrics,
     ) -> None:
-        self._conninfo = conninfo
-        self._names = names
+        self._connect = connect
         self._channel = channel
         self._keepalive = keepalive
-        # A probe that takes this long means the connection is dead, even if the
-        # kernel has not noticed yet (a blackholed path sends no RST).
-        self._probe_timeout = min(5.0, keepalive)
         self._wakeup = wakeup
         self._health = health
         self._metrics = metrics
@@ -164,7 +132,7 @@ class Listener:
         while True:
             try:
                 await self._listen_once(backoff)
-            except (psycopg.Error, OSError, trio.TooSlowError) as exc:
+            except (RelayError, trio.TooSlowError) as exc:
                 reason = "connect timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
                 log.warning("LISTEN connection lost: %s", reason.strip().splitlines()[0])
             self._set_state(up=False)
@@ -172,15 +140,9 @@ class Listener:
 
     async def _listen_once(self, backoff: ReconnectBackoff) -> None:
         with trio.fail_after(10):
-            conn: psycopg.AsyncConnection[Any] = await aio.call(_connect_autocommit, self._conninfo)
+            conn = await self._connect()
         try:
-            await self._execute(
-                sql.SQL("select set_config('lock_timeout', {}, false)").format(
-                    sql.Literal(f"{SLEEP_LOCK_TIMEOUT_MS}ms")
-                ),
-                conn,
-            )
-            await self._execute(sql.SQL("listen {}").format(sql.Identifier(self._channel)), conn)
+            await conn.listen(self._channel)
             self._set_state(up=True)
             backoff.reset()
             log.info("listening on channel %s", self._channel)
@@ -191,21 +153,16 @@ class Listener:
                 outcome = await self._wait(conn)
                 if outcome == "quiet":
                     # Quiet for a whole keepalive: make sure the connection still works.
-                    await self._execute(sql.SQL("select 1"), conn)
+                    await conn.probe()
         finally:
             # Not listening from here on, before the close below awaits: a publisher
             # asking to sleep meanwhile must hear DEAF at once, not wait for an answer.
             self._set_state(up=False)
             self._holding = False
             self._answer_request(Sleep.DEAF)
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(2),
-                contextlib.suppress(psycopg.Error, OSError),
-            ):
-                await aio.call(conn.close)
+            await conn.close()
 
-    async def _serve_requests(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def _serve_requests(self, conn: ListenConnection) -> None:
         self._poke = trio.Event()
         if self._want_sleep and self._answer is not None:
             if self._holding:
@@ -217,22 +174,14 @@ class Listener:
                 answer = await self._take_sleep_lock(conn)
             self._answer_request(answer)
         elif not self._want_sleep and self._holding:
-            await self._execute(query(self._names, "idle_unlock"), conn)
+            await conn.release_sleep_lock()
             self._holding = False
 
-    async def _take_sleep_lock(self, conn: psycopg.AsyncConnection[Any]) -> Sleep:
-        try:
-            await self._execute(query(self._names, "idle_lock"), conn)
-        except psycopg.errors.LockNotAvailable:
-            row = await self._execute(query(self._names, "idle_sleeper"), conn)
-            return Sleep.SAFE_OTHER if row and row[0] else Sleep.BUSY
+    async def _take_sleep_lock(self, conn: ListenConnection) -> Sleep:
+        if not await conn.try_sleep_lock():
+            return Sleep.SAFE_OTHER if await conn.another_relay_sleeps() else Sleep.BUSY
         self._holding = True
         return Sleep.SAFE
-
-    async def _execute(
-        self, statement: Query, conn: psycopg.AsyncConnection[Any]
-    ) -> tuple[Any, ...] | None:
-        return await aio.call(_execute_or_break, conn, statement, self._probe_timeout)
 
     def _notified(self) -> None:
         self._wakeup.set("notify")
@@ -243,7 +192,7 @@ class Listener:
             with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                 channel.send_nowait(answer)
 
-    async def _wait(self, conn: psycopg.AsyncConnection[Any]) -> str:
+    async def _wait(self, conn: ListenConnection) -> str:
         """Until a notification ("notify"), a request ("poke") or a quiet keepalive."""
         outcome = "quiet"
         try:
@@ -251,9 +200,7 @@ class Listener:
 
                 async def notifications() -> None:
                     nonlocal outcome
-                    if await aio.call(
-                        _wait_for_notification, conn, self._keepalive, self._notified
-                    ):
+                    if await conn.wait_for_notification(self._keepalive, self._notified):
                         outcome = "notify"
                     nursery.cancel_scope.cancel()
 

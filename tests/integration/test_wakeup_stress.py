@@ -10,6 +10,7 @@ wakes thousands of times; every event must arrive within 1 s of its commit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 import threading
@@ -27,6 +28,7 @@ from relay import aio
 from relay.config import Config
 from relay.database import connection_string
 from relay.health import Health
+from relay.listen_connection import PostgresListenConnection
 from relay.listener import Listener, Sleep
 from relay.metrics import Metrics
 from relay.sqlfiles import Names
@@ -191,8 +193,12 @@ def test_a_second_sleep_asked_before_the_lock_went_is_answered(db_url):
     async def main() -> list[Sleep]:
         health = Health()
         listener = Listener(
-            conninfo=connection_string(db_url),
-            names=Names.for_config(Config()),
+            connect=functools.partial(
+                PostgresListenConnection.connect,
+                connection_string(db_url),
+                Names.for_config(Config()),
+                5.0,
+            ),
             channel="outbox_events",
             keepalive=30.0,
             wakeup=Wakeup(),

@@ -1,0 +1,287 @@
+"""The LISTEN task's protocol with the publisher (SAFE, SAFE_OTHER, BUSY, DEAF, held
+all along), its keepalive and its reconnects: the real Listener, a fake connection
+that models the sleep lock the way Postgres holds it, and trio's virtual clock."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry
+
+from relay.errors import DatabaseUnavailable
+from relay.health import Health
+from relay.listener import Listener, Sleep
+from relay.metrics import Metrics
+from relay.wakeup import Wakeup
+
+
+class LockServer:
+    """What Postgres knows: who holds the sleep lock, whether producers are in the
+    middle of a transaction (they hold it shared), whether another relay sleeps."""
+
+    def __init__(self) -> None:
+        self.holder: FakeConnection | None = None
+        self.producers_in_flight = False
+        self.other_relay_sleeps = False
+        self.connections: list[FakeConnection] = []
+        self.refuse_connections = False
+        self.connect_attempts = 0
+        self.releases = 0
+
+
+class FakeConnection:
+    def __init__(self, server: LockServer) -> None:
+        self.server = server
+        self.broken = False
+        self.listening: str | None = None
+        self.probes = 0
+        self.hang_on_lock = False
+        self._notification = trio.Event()
+        self._gone = trio.Event()
+
+    def _check(self) -> None:
+        if self.broken:
+            raise DatabaseUnavailable("LISTEN connection: the connection is lost")
+
+    async def listen(self, channel: str) -> None:
+        self._check()
+        self.listening = channel
+
+    async def probe(self) -> None:
+        await trio.lowlevel.checkpoint()
+        self.probes += 1
+        self._check()
+
+    async def try_sleep_lock(self) -> bool:
+        self._check()
+        if self.hang_on_lock:
+            await self._gone.wait()  # answered only by the connection's end
+            self._check()
+        if self.server.producers_in_flight or self.server.holder not in (None, self):
+            await trio.sleep(0.010)  # the lock timeout
+            return False
+        self.server.holder = self
+        return True
+
+    async def another_relay_sleeps(self) -> bool:
+        self._check()
+        return self.server.other_relay_sleeps
+
+    async def release_sleep_lock(self) -> None:
+        self._check()
+        assert self.server.holder is self
+        self.server.holder = None
+        self.server.releases += 1
+
+    def notify(self) -> None:
+        self._notification.set()
+
+    def lose(self) -> None:
+        self.broken = True
+        self._notification.set()
+        self._gone.set()
+
+    async def wait_for_notification(self, seconds: float, notified: Callable[[], None]) -> int:
+        with trio.move_on_after(seconds):
+            await self._notification.wait()
+            self._notification = trio.Event()
+            self._check()
+            notified()
+            return 1
+        return 0
+
+    async def close(self) -> None:
+        # The lock dies with its session.
+        if self.server.holder is self:
+            self.server.holder = None
+
+
+class World:
+    def __init__(self, keepalive: float = 10.0) -> None:
+        self.server = LockServer()
+        self.wakeup = Wakeup()
+        self.health = Health()
+        self.metrics = Metrics(CollectorRegistry())
+        self.listener = Listener(
+            connect=self._connect,
+            channel="outbox_events",
+            keepalive=keepalive,
+            wakeup=self.wakeup,
+            health=self.health,
+            metrics=self.metrics,
+        )
+
+    async def _connect(self) -> FakeConnection:
+        await trio.lowlevel.checkpoint()
+        self.server.connect_attempts += 1
+        if self.server.refuse_connections:
+            raise DatabaseUnavailable("LISTEN connection: connection refused")
+        conn = FakeConnection(self.server)
+        self.server.connections.append(conn)
+        return conn
+
+    @property
+    def conn(self) -> FakeConnection:
+        return self.server.connections[-1]
+
+    async def until(self, predicate: Callable[[], bool], limit: float = 60.0) -> None:
+        with trio.fail_after(limit):
+            while not predicate():  # noqa: ASYNC110 - polling plain state on a virtual clock
+                await trio.sleep(0.001)
+
+
+def run(test: Callable[[World], Awaitable[None]], **kwargs: float) -> None:
+    async def main() -> None:
+        world = World(**kwargs)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world.listener.run)
+            await world.until(lambda: world.health.listening)
+            await test(world)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_safe_while_this_relay_holds_the_lock_and_the_lock_goes_on_waking():
+    async def test(world: World) -> None:
+        assert await world.listener.prepare_sleep() is Sleep.SAFE
+        assert world.server.holder is world.conn
+        world.listener.wake_up()
+        await world.until(lambda: world.server.holder is None)
+        assert world.server.releases == 1
+
+    run(test)
+
+
+def test_busy_while_producers_are_in_flight_and_no_relay_sleeps():
+    async def test(world: World) -> None:
+        world.server.producers_in_flight = True
+        assert await world.listener.prepare_sleep() is Sleep.BUSY
+        assert world.server.holder is None
+        world.server.producers_in_flight = False
+        assert await world.listener.prepare_sleep() is Sleep.SAFE
+
+    run(test)
+
+
+def test_safe_other_while_another_relay_sleeps_holding_the_lock():
+    async def test(world: World) -> None:
+        world.server.producers_in_flight = True  # the lock is not to be had...
+        world.server.other_relay_sleeps = True  # ...because another relay holds it
+        assert await world.listener.prepare_sleep() is Sleep.SAFE_OTHER
+        assert world.server.holder is None
+
+    run(test)
+
+
+def test_deaf_at_once_without_a_listen_connection():
+    async def test(world: World) -> None:
+        world.server.refuse_connections = True
+        world.conn.lose()
+        await world.until(lambda: not world.health.listening)
+        started = trio.current_time()
+        assert await world.listener.prepare_sleep() is Sleep.DEAF
+        assert trio.current_time() == started
+
+    run(test)
+
+
+def test_deaf_when_the_connection_is_lost_with_a_request_pending():
+    async def test(world: World) -> None:
+        world.conn.hang_on_lock = True
+        answers: list[tuple[Sleep, float]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                answers.append((await world.listener.prepare_sleep(), trio.current_time()))
+
+            nursery.start_soon(ask)
+            await trio.sleep(1)
+            assert answers == []
+            lost_at = trio.current_time()
+            world.conn.lose()  # as the real connection's watchdog would break it
+        # Heard at once, not after the request's 5 s limit.
+        assert answers == [(Sleep.DEAF, lost_at)]
+
+    run(test)
+
+
+def test_a_request_never_answered_becomes_deaf_after_five_seconds():
+    async def test(world: World) -> None:
+        world.conn.hang_on_lock = True
+        started = trio.current_time()
+        assert await world.listener.prepare_sleep() is Sleep.DEAF
+        assert trio.current_time() - started == 5
+
+    run(test)
+
+
+def test_a_second_sleep_asked_before_the_lock_went_is_answered_safe_from_the_held_lock():
+    async def test(world: World) -> None:
+        assert await world.listener.prepare_sleep() is Sleep.SAFE
+        world.listener.wake_up()
+        started = trio.current_time()
+        # No checkpoint in between: the task has not let the lock go yet.
+        assert await world.listener.prepare_sleep() is Sleep.SAFE
+        assert trio.current_time() == started  # answered, not left to time out
+        assert world.server.releases == 0  # held all along
+        assert world.server.holder is world.conn
+
+    run(test)
+
+
+def test_a_notification_wakes_the_publisher():
+    async def test(world: World) -> None:
+        world.wakeup.take()  # the sweep of the first connect
+        world.conn.notify()
+        with trio.fail_after(1):
+            assert await world.wakeup.wait() == {"notify"}
+
+    run(test)
+
+
+def test_a_quiet_connection_is_probed_every_keepalive():
+    async def test(world: World) -> None:
+        await trio.sleep(35)
+        assert world.conn.probes == 3
+        assert len(world.server.connections) == 1
+
+    run(test, keepalive=10.0)
+
+
+def test_a_lost_connection_is_replaced_with_a_sweep_and_the_lock_goes_with_it():
+    async def test(world: World) -> None:
+        assert world.wakeup.take() == {"reconnect"}
+        assert await world.listener.prepare_sleep() is Sleep.SAFE
+        first = world.conn
+        first.lose()
+        await world.until(lambda: not world.health.listening)
+        assert world.metrics.registry.get_sample_value("outbox_relay_listen_connected") == 0
+        assert world.server.holder is None  # the lock died with the session
+        await world.until(lambda: world.health.listening and world.conn is not first)
+        assert world.wakeup.take() == {"reconnect"}  # rows may have come meanwhile
+        assert world.conn.listening == "outbox_events"
+        # A new request is served on the new connection.
+        assert await world.listener.prepare_sleep() is Sleep.SAFE
+        assert world.server.holder is world.conn
+
+    run(test)
+
+
+def test_reconnects_back_off_while_the_server_refuses():
+    async def test(world: World) -> None:
+        world.server.refuse_connections = True
+        world.conn.lose()
+        await trio.sleep(20)
+        # Exponential from 0.1 s, capped at 5 s, each delay 0.5 to 1 times that: a
+        # handful of tries in 20 s (8 with the longest delays, 12 with the shortest),
+        # never a hot loop.
+        assert not world.health.listening
+        assert 8 <= world.server.connect_attempts - 1 <= 12
+        world.server.refuse_connections = False
+        await world.until(lambda: world.health.listening, limit=6)
+        assert len(world.server.connections) == 2
+
+    run(test)
