@@ -20,12 +20,14 @@ are marked where they are.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence, Set
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from relay import failpoints
-from relay.broker import Broker
 from relay.config import Config
-from relay.database import Database
+from relay.database import Claim
 from relay.envelope import Message, build_message
 from relay.failpoints import Failpoints
 from relay.marks import Marks, decide_marks
@@ -43,6 +45,37 @@ class BatchOutcome:
     held: set[RowId] = field(default_factory=set)
     results: dict[RowId, PublishResult] = field(default_factory=dict)
     marks: Marks = field(default_factory=Marks)
+
+
+class BatchTransaction(Protocol):
+    """One batch's transaction (:class:`relay.database.Transaction`)."""
+
+    async def claim(
+        self, batch_size: int, max_attempts: int, ours: Set[RowId] = frozenset()
+    ) -> Claim: ...
+
+    async def mark_and_commit(
+        self, marks: Marks, crash_before_commit: Callable[[], None] | None = None
+    ) -> None: ...
+
+    async def commit(self) -> None: ...
+
+
+class BatchDatabase(Protocol):
+    """Where batch transactions come from (:class:`relay.database.Database`)."""
+
+    def transaction(self) -> AbstractAsyncContextManager[BatchTransaction]: ...
+
+
+class BatchBroker(Protocol):
+    """Where a batch's messages go (:class:`relay.broker.Broker`)."""
+
+    @property
+    def max_payload(self) -> int: ...
+
+    async def publish_wave(
+        self, messages: Sequence[Message], budget: float
+    ) -> list[PublishResult]: ...
 
 
 class _Flight:
@@ -80,7 +113,12 @@ class Batch:
     batch spends most of its time."""
 
     def __init__(
-        self, *, config: Config, database: Database, broker: Broker, failpoints: Failpoints
+        self,
+        *,
+        config: Config,
+        database: BatchDatabase,
+        broker: BatchBroker,
+        failpoints: Failpoints,
     ) -> None:
         self._config = config
         self._db = database

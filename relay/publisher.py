@@ -11,21 +11,18 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
-from relay import aio
 from relay.backoff import ReconnectBackoff
-from relay.batch import Batch, BatchOutcome
-from relay.broker import Broker
+from relay.batch import BatchOutcome
 from relay.config import Config
-from relay.database import Database
 from relay.errors import DatabaseUnavailable, RelayError
-from relay.failpoints import Failpoints
 from relay.health import Health
-from relay.listener import Listener, Sleep
+from relay.listener import Sleep
 from relay.metrics import Metrics
 from relay.model import Acked
 from relay.wakeup import Wakeup
@@ -34,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # Beyond the publish timeout, how long one pass may spend in the database. A pass
 # that takes longer is stuck on a connection that died without telling anyone (a
-# blackholed path): it is abandoned, rolled back by the server, and retried.
+# path that drops packets): it is abandoned, rolled back by the server, and retried.
 DATABASE_BUDGET = 15.0
 
 # After a drain that found rows, wait a little for more before claiming again (or
@@ -90,31 +87,44 @@ class PassResult:
         return self.claimed == batch_size and self.settled > 0
 
 
+class SleepLock(Protocol):
+    """The LISTEN task's side of the sleep protocol (:class:`relay.listener.Listener`)."""
+
+    async def prepare_sleep(self) -> Sleep: ...
+
+    def wake_up(self) -> None: ...
+
+
+class BrokerLink(Protocol):
+    """Whether there is a broker to publish to (:class:`relay.broker.Broker`)."""
+
+    @property
+    def connected(self) -> bool: ...
+
+
 class Publisher:
+    """Decides when batches run. ``run_batch`` runs one batch (claim, publish, mark,
+    commit: :class:`relay.batch.Batch`, behind the asyncio door) and may be called
+    again before the previous call returns, up to BATCHES_IN_FLIGHT at once."""
+
     def __init__(
         self,
         *,
         config: Config,
-        database: Database,
-        broker: Broker,
+        run_batch: Callable[[], Awaitable[BatchOutcome]],
+        broker: BrokerLink,
         metrics: Metrics,
         health: Health,
         wakeup: Wakeup,
-        listener: Listener,
+        listener: SleepLock,
     ) -> None:
         self._config = config
-        self._db = database
+        self._run_batch = run_batch
         self._broker = broker
         self._metrics = metrics
         self._health = health
         self._wakeup = wakeup
         self._listener = listener
-        self._batch = Batch(
-            config=config,
-            database=database,
-            broker=broker,
-            failpoints=Failpoints(config.failpoints),
-        )
         self.heartbeat = 0.0
         self._woken = False
 
@@ -252,7 +262,7 @@ class Publisher:
     async def run_pass(self) -> PassResult:
         """One batch, in one crossing into asyncio (see :mod:`relay.batch`)."""
         try:
-            outcome = await aio.call(self._batch.run)
+            outcome = await self._run_batch()
         finally:
             self._awake()
         if outcome.rows:

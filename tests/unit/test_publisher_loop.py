@@ -1,0 +1,303 @@
+"""The publisher loop's states (drain, linger, sleep, busy, deaf, broker down, database
+down) and its lanes: the real Publisher, fakes of the batch, the sleep lock and the
+broker link, and trio's virtual clock."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from itertools import pairwise
+
+import pytest
+import trio
+import trio.testing
+from prometheus_client import CollectorRegistry
+
+from relay.batch import BatchOutcome
+from relay.config import Config
+from relay.errors import DatabaseUnavailable
+from relay.health import Health
+from relay.listener import Sleep
+from relay.marks import Marks
+from relay.metrics import Metrics
+from relay.model import Acked, OutboxRow
+from relay.publisher import (
+    BATCHES_IN_FLIGHT,
+    LINGER_MAX,
+    SLEEP_RETRY_MAX,
+    Publisher,
+    sleep_retry_pause,
+)
+from relay.wakeup import Wakeup
+
+BATCH_SIZE = 10
+BATCH_TIME = 0.005  # virtual seconds one batch takes
+
+
+class Table:
+    """Rows waiting to be claimed; each batch takes up to BATCH_SIZE and acks them."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.claims: list[tuple[float, int]] = []  # (time, rows claimed)
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.failures: list[Exception] = []  # raised by the next batches, in turn
+        self.events: list[str] = []
+
+    async def run_batch(self) -> BatchOutcome:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            self.events.append("claim")
+            if self.failures:
+                await trio.sleep(BATCH_TIME)
+                raise self.failures.pop(0)
+            taken = min(BATCH_SIZE, self.pending)
+            self.pending -= taken
+            self.claims.append((trio.current_time(), taken))
+            await trio.sleep(BATCH_TIME)
+            rows = [
+                OutboxRow(str(uuid.uuid4()), "a.b", "s", f"subject-{i}", "t", "{}", 0.0, 0)
+                for i in range(taken)
+            ]
+            return BatchOutcome(
+                rows=rows,
+                results={row.id: Acked() for row in rows},
+                marks=Marks(published=[row.id for row in rows]),
+            )
+        finally:
+            self.in_flight -= 1
+
+
+class SleepLock:
+    def __init__(self, table: Table) -> None:
+        self.answers: list[Sleep] = []  # next answers; SAFE once they run out
+        self.asked: list[float] = []
+        self.woken = 0
+        self._table = table
+
+    async def prepare_sleep(self) -> Sleep:
+        await trio.lowlevel.checkpoint()
+        self.asked.append(trio.current_time())
+        self._table.events.append("prepare_sleep")
+        return self.answers.pop(0) if self.answers else Sleep.SAFE
+
+    def wake_up(self) -> None:
+        self.woken += 1
+        self._table.events.append("wake_up")
+
+
+class BrokerLink:
+    connected = True
+
+
+class World:
+    def __init__(self) -> None:
+        self.table = Table()
+        self.lock = SleepLock(self.table)
+        self.broker = BrokerLink()
+        self.wakeup = Wakeup()
+        self.health = Health()
+        self.metrics = Metrics(CollectorRegistry())
+        self.stopping = trio.Event()
+        self.publisher = Publisher(
+            config=Config(batch_size=BATCH_SIZE),
+            run_batch=self.table.run_batch,
+            broker=self.broker,
+            metrics=self.metrics,
+            health=self.health,
+            wakeup=self.wakeup,
+            listener=self.lock,
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    async def asleep(self) -> None:
+        """Until the publisher sleeps (counted), and the virtual clock has moved on."""
+        sleeps = self.metric("outbox_relay_sleeps_total")
+        with trio.fail_after(60):
+            while self.metric("outbox_relay_sleeps_total") == sleeps:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+
+
+def run(test: Callable[[World], Awaitable[None]]) -> None:
+    async def main() -> None:
+        world = World()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world.publisher.run, world.stopping)
+            await test(world)
+            world.stopping.set()
+            world.wakeup.set("stop")
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_at_rest_it_claims_under_the_lock_once_then_sleeps_until_woken():
+    async def test(world: World) -> None:
+        await world.asleep()
+        # One empty claim, the sleep lock, one more claim under it, then asleep.
+        assert world.table.events == ["claim", "prepare_sleep", "claim"]
+        await trio.sleep(3600)
+        assert len(world.table.events) == 3  # nothing at all while asleep
+        world.table.pending = 1
+        world.wakeup.set("notify")
+        await world.asleep()
+        # Woken: the lock goes after the first batch, not before it.
+        assert world.table.events[3:6] == ["claim", "wake_up", "claim"]
+        assert world.metric("outbox_relay_wakeups_total", reason="notify") == 1
+        assert world.table.pending == 0
+
+    run(test)
+
+
+def test_rows_found_under_the_lock_mean_it_is_not_asleep_after_all():
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.lock.answers = [Sleep.SAFE]
+        world.table.pending = 3
+        world.wakeup.set("poll")
+        await world.asleep()
+        # claim (3 rows), wake_up (after the first batch), linger, empty claim, ask to
+        # sleep, and the claim under the lock finds nothing: asleep.
+        assert world.table.events[3:] == [
+            "claim", "wake_up", "claim", "prepare_sleep", "claim",
+        ]  # fmt: skip
+
+    run(test)
+
+
+def test_while_rows_flow_it_lingers_and_never_takes_the_sleep_lock():
+    async def test(world: World) -> None:
+        await world.asleep()
+        asked = len(world.lock.asked)
+        world.table.pending = 3
+        world.wakeup.set("notify")
+        with trio.move_on_after(1):
+            while True:
+                # A producer commits a row just after each claim.
+                claims = len(world.table.claims)
+                while len(world.table.claims) == claims:  # noqa: ASYNC110
+                    await trio.sleep(0.0001)
+                world.table.pending += 1
+        # Claim after claim, never more than the longest linger apart...
+        gaps = [b[0] - a[0] for a, b in pairwise(world.table.claims[1:])]
+        assert len(gaps) > 100, world.table.claims
+        assert max(gaps) <= BATCH_TIME + LINGER_MAX + 1e-9
+        # ...and the sleep lock never taken, so producers are never made to notify.
+        assert len(world.lock.asked) == asked
+
+    run(test)
+
+
+def test_busy_claims_again_with_a_pause_that_grows_to_a_cap():
+    async def test(world: World) -> None:
+        world.lock.answers = [Sleep.BUSY] * 12
+        await world.asleep()
+        asked = world.lock.asked
+        assert len(asked) == 13
+        # Each try: the pause, a claim, then the ask.
+        for streak, (earlier, later) in enumerate(pairwise(asked), start=1):
+            assert later - earlier == pytest.approx(sleep_retry_pause(streak) + BATCH_TIME)
+        assert sleep_retry_pause(12) == SLEEP_RETRY_MAX
+        assert world.metric("outbox_relay_sleeps_total") == 1
+
+    run(test)
+
+
+def test_deaf_waits_for_a_wake_up_and_claims_nothing_meanwhile():
+    async def test(world: World) -> None:
+        world.lock.answers = [Sleep.DEAF]
+        await trio.sleep(10)
+        assert world.table.events == ["claim", "prepare_sleep"]
+        assert world.metric("outbox_relay_sleeps_total") == 0  # not asleep: deaf
+        world.table.pending = 1
+        world.wakeup.set("poll")
+        await world.asleep()
+        assert world.table.pending == 0
+        assert world.metric("outbox_relay_wakeups_total", reason="poll") == 1
+
+    run(test)
+
+
+def test_no_broker_no_claims_and_no_sleep_lock_until_it_is_back():
+    async def test(world: World) -> None:
+        await world.asleep()
+        events = len(world.table.events)
+        world.broker.connected = False
+        world.table.pending = 5
+        world.wakeup.set("notify")
+        await trio.sleep(60)
+        # Rows are left alone (their attempts untouched), and the sleep lock goes and
+        # is not taken again: producers are not made to notify a relay that could
+        # not act on it.
+        assert world.table.events[events:] == ["wake_up"]
+        assert world.table.pending == 5
+        world.broker.connected = True
+        world.wakeup.set("reconnect")
+        await world.asleep()
+        assert world.table.pending == 0
+
+    run(test)
+
+
+def test_a_deep_backlog_runs_two_batches_at_once_never_more():
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.table.pending = BATCH_SIZE * 50
+        world.wakeup.set("notify")
+        await world.asleep()
+        assert world.table.pending == 0
+        assert world.table.most_in_flight == BATCHES_IN_FLIGHT == 2
+
+    run(test)
+
+
+def test_light_load_stays_on_one_batch_at_a_time():
+    async def test(world: World) -> None:
+        await world.asleep()
+        for _ in range(20):
+            world.table.pending = BATCH_SIZE - 1
+            world.wakeup.set("notify")
+            await world.asleep()
+        assert world.table.most_in_flight == 1
+
+    run(test)
+
+
+def test_a_failing_database_is_retried_with_growing_pauses_and_reported():
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.table.failures = [DatabaseUnavailable("claim: connection refused")] * 5
+        world.table.pending = 1
+        world.wakeup.set("notify")
+        with trio.fail_after(60):
+            while world.table.failures:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+            assert not world.health.database
+        await world.asleep()
+        assert world.health.database
+        assert world.table.pending == 0
+        assert world.metric("outbox_relay_database_errors_total", task="publisher") == 5
+        starts = [t for t, _ in world.table.claims]
+        assert starts  # the retry that worked
+        # Backoff from 0.2 s, doubling, half to full jitter: five failures take at
+        # least 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s before the claim that works.
+        assert starts[-1] >= 3.1
+
+    run(test)
+
+
+def test_stop_interrupts_a_sleep():
+    async def main() -> None:
+        world = World()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world.publisher.run, world.stopping)
+            await world.asleep()
+            stopped_at = trio.current_time()
+            world.stopping.set()
+            world.wakeup.set("stop")
+        assert trio.current_time() == stopped_at
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
