@@ -30,7 +30,7 @@ from relay.config import Config
 from relay.database import Claim
 from relay.envelope import Message, build_message
 from relay.failpoints import Failpoints
-from relay.marks import Marks, decide_marks
+from relay.marks import Marks, broker_outage, decide_marks
 from relay.model import Failed, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
@@ -45,6 +45,9 @@ class BatchOutcome:
     held: set[RowId] = field(default_factory=set)
     results: dict[RowId, PublishResult] = field(default_factory=dict)
     marks: Marks = field(default_factory=Marks)
+    # The broker acknowledged none of what was sent (relay.marks.broker_outage): the
+    # rows it failed were left as they were, not counted against them.
+    broker_outage: bool = False
 
 
 class BatchTransaction(Protocol):
@@ -172,7 +175,7 @@ class Batch:
                     if self._failpoints.enabled(crash)
                     else None,
                 )
-            return BatchOutcome(rows, held, results, marks)
+            return BatchOutcome(rows, held, results, marks, broker_outage(results))
         finally:
             # Out of flight only once its transaction is over: until then a later
             # claim sees its rows as unpublished.

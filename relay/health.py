@@ -12,19 +12,23 @@ class Health:
     database: bool = False
     listening: bool = False
     broker: bool = False
+    # False from a batch the broker acknowledged none of, until one it acknowledges.
+    broker_acking: bool = True
     setup_problem: str | None = None
     stopping: bool = False
 
     def not_ready_reason(self) -> str | None:
-        """None when the relay can do its work; otherwise a one-line reason."""
-        if self.stopping:
-            return "shutting down"
-        if self.setup_problem:
-            return self.setup_problem
-        if not self.database:
-            return "Postgres is unreachable"
-        if not self.listening:
-            return "LISTEN connection is down"
-        if not self.broker:
-            return "NATS is not connected"
-        return None
+        """None when the relay can do its work; otherwise a one-line reason (the first
+        that holds, in this order)."""
+        reasons = (
+            (self.stopping, "shutting down"),
+            (bool(self.setup_problem), self.setup_problem or ""),
+            (not self.database, "Postgres is unreachable"),
+            (not self.listening, "LISTEN connection is down"),
+            (not self.broker, "NATS is not connected"),
+            (
+                not self.broker_acking,
+                "NATS acknowledges no publish (the rows wait, their attempts untouched)",
+            ),
+        )
+        return next((reason for holds, reason in reasons if holds), None)

@@ -6,7 +6,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from relay.backoff import row_retry_delay
-from relay.model import Acked, Failed, OutboxRow, PublishResult, RowId
+from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult, RowId
+
+# Failures that say nothing about the row: the broker did not answer in time, or
+# the connection went away. On their own in a batch they are the broker's outage.
+BROKER_SIDE = frozenset({FailureReason.TIMEOUT, FailureReason.DISCONNECTED})
+
+
+def broker_outage(results: Mapping[RowId, PublishResult]) -> bool:
+    """Whether the broker, not the rows, failed this batch: it acknowledged none of
+    the messages sent, and every one that failed failed in a way no row can cause.
+    Rows rejected before sending (a bad subject, too large) do not count either way.
+
+    A broker that stalls or drops the path fails every publish in flight, batch after
+    batch, until the client notices; counting those toward the cap would kill good
+    rows for the broker's fault."""
+    sent_failures = 0
+    for result in results.values():
+        if isinstance(result, Acked):
+            return False
+        if result.reason in BROKER_SIDE:
+            sent_failures += 1
+        elif not result.reason.permanent:
+            return False  # refused by the stream: about this message
+    return sent_failures > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,11 +57,15 @@ def decide_marks(
 ) -> Marks:
     """Acked rows are published; a failed row gets one more attempt and a retry delay,
     or goes straight to the cap when the failure is permanent or this was its last
-    attempt. Rows without a result were never sent and are left as they are."""
+    attempt. Rows without a result were never sent and are left as they are, and so
+    are rows that failed only because the broker did (see :func:`broker_outage`)."""
     marks = Marks()
+    spare_broker_side = broker_outage(results)
     for row_id, result in results.items():
         if isinstance(result, Acked):
             marks.published.append(row_id)
+            continue
+        if spare_broker_side and result.reason in BROKER_SIDE:
             continue
         row = rows[row_id]
         attempts = max_attempts if result.reason.permanent else min(row.attempts + 1, max_attempts)

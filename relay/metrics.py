@@ -132,6 +132,11 @@ class Metrics:
             ["event_type", "reason"],
             registry=r,
         )
+        self.broker_outage_batches = Counter(
+            "outbox_relay_broker_outage_batches",
+            "Batches the broker acknowledged none of; their rows were left as they were",
+            registry=r,
+        )
         self.held = Counter(
             "outbox_relay_held_rows",
             "Claimed rows left for later because an earlier row of their subject was not "

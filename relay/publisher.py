@@ -82,6 +82,8 @@ class PassResult:
     claimed: int
     settled: int  # rows acked or marked failed
     held: int
+    acked: int = 0
+    broker_outage: bool = False
 
     def more_work_likely(self, batch_size: int) -> bool:
         return self.claimed == batch_size and self.settled > 0
@@ -223,6 +225,7 @@ class Publisher:
         batch."""
         claimed = 0
         backoff = ReconnectBackoff(initial=0.2, cap=10.0)
+        broker_backoff = ReconnectBackoff(initial=0.2, cap=10.0)
         while not stopping.is_set():
             self.heartbeat = trio.current_time()
             if not self._broker.connected:
@@ -249,6 +252,24 @@ class Publisher:
             self._health.database = True
             backoff.reset()
             claimed += result.claimed
+            if result.broker_outage:
+                # The broker's fault, not the rows': they were left as they were. Try
+                # again after a pause that grows, as for any dependency that is down.
+                self._health.broker_acking = False
+                self._metrics.broker_outage_batches.inc()
+                delay = broker_backoff.next_delay()
+                log.warning(
+                    "NATS acknowledged none of a batch of %d rows: they wait with their "
+                    "attempts untouched; retrying in %.1fs",
+                    result.claimed,
+                    delay,
+                )
+                with trio.move_on_after(delay):
+                    await stopping.wait()
+                continue
+            if result.acked:
+                self._health.broker_acking = True
+                broker_backoff.reset()
             if result.more_work_likely(self._config.batch_size):
                 more_work()
                 continue
@@ -267,7 +288,14 @@ class Publisher:
             self._awake()
         if outcome.rows:
             self._record(outcome)
-        return PassResult(len(outcome.rows), len(outcome.results), len(outcome.held))
+        acked = sum(1 for result in outcome.results.values() if isinstance(result, Acked))
+        return PassResult(
+            len(outcome.rows),
+            len(outcome.results),
+            len(outcome.held),
+            acked,
+            outcome.broker_outage,
+        )
 
     def _record(self, outcome: BatchOutcome) -> None:
         """Metrics and logs for a committed batch: only what the table now says."""
@@ -294,8 +322,8 @@ class Publisher:
                 event_type=self._metrics.event_type(row.event_type),
                 reason=result.reason.value,
             ).inc()
-            if row_id in dead:
-                continue  # logged once, below, as a dead row
+            if row_id in dead or outcome.broker_outage:
+                continue  # logged once, below, as a dead row; or once for the batch
             log.warning(
                 "publish failed: %s",
                 result.detail,

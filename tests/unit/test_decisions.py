@@ -10,7 +10,7 @@ import pytest
 
 from relay.backoff import ReconnectBackoff, row_retry_delay
 from relay.envelope import MSG_ID_HEADER, build_message
-from relay.marks import decide_marks
+from relay.marks import broker_outage, decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
 from relay.ordering import (
     SubjectQueues,
@@ -247,9 +247,9 @@ class TestMarks:
         assert marks.published == [a.id, b.id]
         assert marks.failed == []
 
-    def test_retryable_failure_counts_an_attempt_and_backs_off(self):
-        r = row(attempts=2)
-        marks = self.decide([r], {r.id: Failed(FailureReason.TIMEOUT, "slow")})
+    def test_a_row_that_times_out_beside_an_acked_one_counts_an_attempt(self):
+        r, ok = row(attempts=2), row()
+        marks = self.decide([r, ok], {r.id: Failed(FailureReason.TIMEOUT, "slow"), ok.id: Acked()})
         [mark] = marks.failed
         assert (mark.attempts, mark.retry_delay) == (3, 4.0)
         assert mark.error == "timeout: slow"
@@ -257,10 +257,35 @@ class TestMarks:
 
     def test_last_attempt_goes_dead(self):
         r = row(attempts=4)
-        marks = self.decide([r], {r.id: Failed(FailureReason.DISCONNECTED, "gone")})
+        marks = self.decide([r], {r.id: Failed(FailureReason.OTHER, "refused by the stream")})
         [mark] = marks.failed
         assert (mark.attempts, mark.retry_delay) == (5, None)
         assert [dead.id for dead, _ in marks.newly_dead] == [r.id]
+
+    @pytest.mark.parametrize("reason", [FailureReason.TIMEOUT, FailureReason.DISCONNECTED])
+    def test_a_batch_the_broker_failed_whole_burns_no_attempt(self, reason):
+        # Nothing acked, and every failure one no row can cause: the broker's outage.
+        # Even a row on its last attempt is left exactly as it was; a row rejected
+        # before sending still goes to the cap, for its own reason.
+        last, other = row(attempts=4), row()
+        bad = row(event_type="a.*")
+        results = {
+            last.id: Failed(reason, "x"),
+            other.id: Failed(reason, "x"),
+            bad.id: Failed(FailureReason.INVALID_SUBJECT, "wildcard"),
+        }
+        assert broker_outage(results)
+        marks = self.decide([last, other, bad], results)
+        assert [m.id for m in marks.failed] == [bad.id]
+        assert [dead.id for dead, _ in marks.newly_dead] == [bad.id]
+
+    def test_one_ack_or_one_refusal_makes_it_the_rows_business(self):
+        a, b = row(), row()
+        timeout = Failed(FailureReason.TIMEOUT, "slow")
+        assert not broker_outage({a.id: timeout, b.id: Acked()})
+        assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.OTHER, "refused")})
+        assert not broker_outage({a.id: Failed(FailureReason.INVALID_SUBJECT, "x")})
+        assert not broker_outage({})
 
     @pytest.mark.parametrize(
         "reason", [FailureReason.NO_STREAM, FailureReason.TOO_LARGE, FailureReason.INVALID_SUBJECT]

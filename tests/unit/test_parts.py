@@ -91,6 +91,10 @@ def test_default_install_uses_the_contract_names():
         (Health(database=False, listening=True, broker=True), "Postgres is unreachable"),
         (Health(database=True, listening=False, broker=True), "LISTEN connection is down"),
         (Health(database=True, listening=True, broker=False), "NATS is not connected"),
+        (
+            Health(database=True, listening=True, broker=True, broker_acking=False),
+            "NATS acknowledges no publish (the rows wait, their attempts untouched)",
+        ),
         (Health(database=True, listening=True, broker=True, stopping=True), "shutting down"),
         (Health(setup_problem="no table"), "no table"),
     ],

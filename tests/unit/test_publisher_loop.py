@@ -20,7 +20,7 @@ from relay.health import Health
 from relay.listener import Sleep
 from relay.marks import Marks
 from relay.metrics import Metrics
-from relay.model import Acked, OutboxRow
+from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
 from relay.publisher import (
     BATCHES_IN_FLIGHT,
     LINGER_MAX,
@@ -43,6 +43,7 @@ class Table:
         self.in_flight = 0
         self.most_in_flight = 0
         self.failures: list[Exception] = []  # raised by the next batches, in turn
+        self.broker_down = False  # every message sent times out
         self.events: list[str] = []
 
     async def run_batch(self) -> BatchOutcome:
@@ -54,13 +55,17 @@ class Table:
                 await trio.sleep(BATCH_TIME)
                 raise self.failures.pop(0)
             taken = min(BATCH_SIZE, self.pending)
-            self.pending -= taken
             self.claims.append((trio.current_time(), taken))
             await trio.sleep(BATCH_TIME)
             rows = [
                 OutboxRow(str(uuid.uuid4()), "a.b", "s", f"subject-{i}", "t", "{}", 0.0, 0)
                 for i in range(taken)
             ]
+            if self.broker_down and rows:
+                timeout = Failed(FailureReason.TIMEOUT, "no ack")
+                results: dict[str, PublishResult] = {row.id: timeout for row in rows}
+                return BatchOutcome(rows=rows, results=results, broker_outage=True)
+            self.pending -= taken
             return BatchOutcome(
                 rows=rows,
                 results={row.id: Acked() for row in rows},
@@ -98,7 +103,7 @@ class World:
         self.lock = SleepLock(self.table)
         self.broker = BrokerLink()
         self.wakeup = Wakeup()
-        self.health = Health()
+        self.health = Health(listening=True, broker=True)  # their tasks are not here
         self.metrics = Metrics(CollectorRegistry())
         self.stopping = trio.Event()
         self.publisher = Publisher(
@@ -285,6 +290,31 @@ def test_a_failing_database_is_retried_with_growing_pauses_and_reported():
         # Backoff from 0.2 s, doubling, half to full jitter: five failures take at
         # least 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s before the claim that works.
         assert starts[-1] >= 3.1
+
+    run(test)
+
+
+def test_a_broker_that_acknowledges_nothing_is_waited_out_not_hammered():
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.table.broker_down = True
+        world.table.pending = 3
+        world.wakeup.set("notify")
+        await trio.sleep(30)
+        # Not ready, and saying why; the same rows tried again after pauses that grow
+        # to the 10 s cap (about 7 to 12 tries in 30 s), never in a hot loop.
+        assert world.health.not_ready_reason() == (
+            "NATS acknowledges no publish (the rows wait, their attempts untouched)"
+        )
+        tries = [t for t, taken in world.table.claims if taken]
+        assert 5 <= len(tries) <= 13, tries
+        gaps = [b - a for a, b in pairwise(tries)]
+        assert max(gaps) <= 10 + BATCH_TIME
+        assert world.metric("outbox_relay_broker_outage_batches_total") == len(tries)
+        world.table.broker_down = False
+        await world.asleep()
+        assert world.table.pending == 0
+        assert world.health.not_ready_reason() is None
 
     run(test)
 
