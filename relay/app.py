@@ -26,7 +26,7 @@ from relay.gauges import run_gauges
 from relay.health import Health
 from relay.httpserver import HttpServer, metrics_route
 from relay.listen_connection import PostgresListenConnection
-from relay.listener import Listener
+from relay.listener import Listener, server_idle_timeout
 from relay.metrics import Metrics
 from relay.publisher import Publisher
 from relay.retention import run_retention
@@ -52,6 +52,7 @@ class Relay:
                 # A statement unanswered this long means the connection is dead, even
                 # if the kernel has not noticed (a path that drops packets sends no RST).
                 min(5.0, config.listen_keepalive),
+                server_idle_timeout(config.listen_keepalive),
             ),
             channel=config.channel,
             keepalive=config.listen_keepalive,

@@ -73,20 +73,40 @@ async def _wait_for_notification(
     return received
 
 
+def session_settings(idle_timeout: float) -> dict[str, str]:
+    """The LISTEN session's settings. The server ends the session when the relay stops
+    talking (``idle_timeout``, see :func:`relay.listener.server_idle_timeout`) or its
+    host stops answering TCP (keepalives, and a bound on unacknowledged data), so a
+    lost relay's sleep lock does not keep every producer notifying."""
+    return {
+        "lock_timeout": f"{SLEEP_LOCK_TIMEOUT_MS}ms",
+        "idle_session_timeout": f"{round(idle_timeout * 1000)}ms",
+        "tcp_keepalives_idle": "5",
+        "tcp_keepalives_interval": "2",
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": "10000",
+    }
+
+
 class PostgresListenConnection:
     """One LISTEN connection to Postgres, in autocommit. Every statement is bounded
     by ``answer_timeout``: past it the connection is broken and the call raises."""
 
     def __init__(
-        self, conn: psycopg.AsyncConnection[Any], names: Names, answer_timeout: float
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        names: Names,
+        answer_timeout: float,
+        idle_timeout: float,
     ) -> None:
         self._conn = conn
         self._names = names
         self._answer_timeout = answer_timeout
+        self._idle_timeout = idle_timeout
 
     @classmethod
     async def connect(
-        cls, conninfo: str, names: Names, answer_timeout: float
+        cls, conninfo: str, names: Names, answer_timeout: float, idle_timeout: float
     ) -> PostgresListenConnection:
         try:
             conn: psycopg.AsyncConnection[Any] = await aio.call(
@@ -97,7 +117,7 @@ class PostgresListenConnection:
             )
         except (psycopg.Error, OSError) as exc:
             raise translate(exc, "LISTEN connection") from exc
-        return cls(conn, names, answer_timeout)
+        return cls(conn, names, answer_timeout, idle_timeout)
 
     async def _execute(self, statement: Query) -> tuple[Any, ...] | None:
         try:
@@ -106,10 +126,16 @@ class PostgresListenConnection:
             raise translate(exc, "LISTEN connection") from exc
 
     async def listen(self, channel: str) -> None:
+        # Only the settings this server knows (idle_session_timeout is Postgres 14+).
+        settings = sql.SQL(", ").join(
+            sql.SQL("({}, {})").format(sql.Literal(name), sql.Literal(value))
+            for name, value in session_settings(self._idle_timeout).items()
+        )
         await self._execute(
-            sql.SQL("select set_config('lock_timeout', {}, false)").format(
-                sql.Literal(f"{SLEEP_LOCK_TIMEOUT_MS}ms")
-            )
+            sql.SQL(
+                "select set_config(s.name, s.value, false) from (values {}) as s(name, value) "
+                "join pg_settings p on p.name = s.name"
+            ).format(settings)
         )
         await self._execute(sql.SQL("listen {}").format(sql.Identifier(channel)))
 

@@ -71,6 +71,17 @@ class ListenConnection(Protocol):
         ...
 
 
+def server_idle_timeout(keepalive: float) -> float:
+    """Seconds after which the server ends a LISTEN session that has said nothing.
+
+    A live listener runs a statement at least every ``keepalive`` (its probe); one
+    that stops (frozen, paused, cut off) keeps its session and its sleep lock open,
+    and every producer keeps notifying, paying the notification queue's lock, until
+    the server ends the session. Twice the keepalive and a margin for a loaded
+    machine: never a live listener, and within half a minute at the default."""
+    return 2 * keepalive + 5.0
+
+
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The one real error in a race's exception group (the others are cancellations)."""
     for leaf in group.exceptions:
@@ -98,6 +109,8 @@ class Listener:
         self._wakeup = wakeup
         self._health = health
         self._metrics = metrics
+        # When this task last ran a statement on its connection.
+        self._spoke_at = 0.0
         # The publisher's requests, carried out by this task on its connection.
         self._want_sleep = False
         self._holding = False
@@ -148,12 +161,18 @@ class Listener:
             log.info("listening on channel %s", self._channel)
             # Rows may have committed while no one listened: sweep now.
             self._wakeup.set("reconnect")
+            self._spoke_at = trio.current_time()
             while True:
                 await self._serve_requests(conn)
-                outcome = await self._wait(conn)
-                if outcome == "quiet":
-                    # Quiet for a whole keepalive: make sure the connection still works.
+                quiet_until = self._spoke_at + self._keepalive
+                if trio.current_time() >= quiet_until:
+                    # Nothing said on this connection for a whole keepalive, however many
+                    # notifications came: make sure it still works. It also shows the
+                    # server this session is alive (see idle_session_timeout below).
                     await conn.probe()
+                    self._spoke_at = trio.current_time()
+                    continue
+                await self._wait(conn, quiet_until - trio.current_time())
         finally:
             # Not listening from here on, before the close below awaits: a publisher
             # asking to sleep meanwhile must hear DEAF at once, not wait for an answer.
@@ -172,9 +191,11 @@ class Listener:
                 answer = Sleep.SAFE
             else:
                 answer = await self._take_sleep_lock(conn)
+                self._spoke_at = trio.current_time()
             self._answer_request(answer)
         elif not self._want_sleep and self._holding:
             await conn.release_sleep_lock()
+            self._spoke_at = trio.current_time()
             self._holding = False
 
     async def _take_sleep_lock(self, conn: ListenConnection) -> Sleep:
@@ -192,29 +213,23 @@ class Listener:
             with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError):
                 channel.send_nowait(answer)
 
-    async def _wait(self, conn: ListenConnection) -> str:
-        """Until a notification ("notify"), a request ("poke") or a quiet keepalive."""
-        outcome = "quiet"
+    async def _wait(self, conn: ListenConnection, seconds: float) -> None:
+        """Up to ``seconds``, until a notification or a request from the publisher."""
         try:
             async with trio.open_nursery() as nursery:
 
                 async def notifications() -> None:
-                    nonlocal outcome
-                    if await conn.wait_for_notification(self._keepalive, self._notified):
-                        outcome = "notify"
+                    await conn.wait_for_notification(seconds, self._notified)
                     nursery.cancel_scope.cancel()
 
                 async def requests() -> None:
-                    nonlocal outcome
                     await self._poke.wait()
-                    outcome = "poke"
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(notifications)
                 nursery.start_soon(requests)
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
-        return outcome
 
     def _set_state(self, *, up: bool) -> None:
         self._health.listening = up

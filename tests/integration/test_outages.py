@@ -4,6 +4,7 @@ stopped."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -164,3 +165,43 @@ def test_password_never_appears_in_logs(db_url, start_relay):
     logs = relay.logs()
     assert "***" in logs
     assert secret not in logs
+
+
+SLEEP_LOCK_HOLDERS = """
+select a.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
+ where l.locktype = 'advisory' and l.mode = 'ExclusiveLock' and l.granted
+   and a.application_name = 'outbox-relay listen' and a.datname = current_database()
+"""
+
+
+def test_a_relay_frozen_asleep_stops_making_producers_notify(db_url, stream, start_relay):
+    """Asleep, a relay holds the sleep lock and every producer notifies. Frozen
+    (SIGSTOP, a paused VM, a cut-off host) it would hold it for as long as its
+    session lived: the server ends that session once it has been silent for
+    twice the keepalive and a margin (7 s here), and the lock goes with it."""
+    relay = start_relay(listen_keepalive="1s", poll_interval="1h")
+    wait_until(lambda: relay.metric("outbox_relay_sleeps_total") >= 1, message="asleep")
+    [(holder,)] = wait_until(
+        lambda: database.fetch(db_url, SLEEP_LOCK_HOLDERS) or None, message="the sleep lock"
+    )
+    relay.signal(signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: (
+                not database.fetch(
+                    db_url, "select 1 from pg_stat_activity where pid = %s", (holder,)
+                )
+            ),
+            timeout=60,
+            interval=0.5,
+            message="the server ending the frozen relay's LISTEN session",
+        )
+        assert database.fetch(db_url, SLEEP_LOCK_HOLDERS) == []  # producers stop notifying
+    finally:
+        relay.signal(signal.SIGCONT)
+    # Thawed, it finds its connection gone, listens again and sweeps: a row committed
+    # meanwhile, and one after, are delivered with the poll an hour away.
+    event = Event(stream.subject("thawed"), "t")
+    database.insert(db_url, [event])
+    wait_until(lambda: str(event.id) in ids_in(stream), timeout=30, message="delivery")
+    wait_until(lambda: database.fetch(db_url, SLEEP_LOCK_HOLDERS), message="asleep again")

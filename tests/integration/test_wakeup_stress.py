@@ -29,7 +29,7 @@ from relay.config import Config
 from relay.database import connection_string
 from relay.health import Health
 from relay.listen_connection import PostgresListenConnection
-from relay.listener import Listener, Sleep
+from relay.listener import Listener, Sleep, server_idle_timeout
 from relay.metrics import Metrics
 from relay.sqlfiles import Names
 from relay.wakeup import Wakeup
@@ -198,6 +198,7 @@ def test_a_second_sleep_asked_before_the_lock_went_is_answered(db_url):
                 connection_string(db_url),
                 Names.for_config(Config()),
                 5.0,
+                server_idle_timeout(30.0),
             ),
             channel="outbox_events",
             keepalive=30.0,

@@ -251,6 +251,20 @@ def test_a_quiet_connection_is_probed_every_keepalive():
     run(test, keepalive=10.0)
 
 
+def test_notifications_do_not_put_the_probe_off():
+    # The server ends a session that says nothing for a while (idle_session_timeout,
+    # so that a frozen relay's lock goes): a live listener must speak at least every
+    # keepalive, however often notifications come.
+    async def test(world: World) -> None:
+        for _ in range(12):
+            await trio.sleep(3)
+            world.conn.notify()
+        assert world.conn.probes == 3  # at 10, 20 and 30 s
+        assert len(world.server.connections) == 1
+
+    run(test, keepalive=10.0)
+
+
 def test_a_lost_connection_is_replaced_with_a_sweep_and_the_lock_goes_with_it():
     async def test(world: World) -> None:
         assert world.wakeup.take() == {"reconnect"}
