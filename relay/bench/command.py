@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -32,10 +33,12 @@ class Plan:
     memory_rows: int = 1_000_000
     plain_drain_rows: int = 10_000
     cost_seconds: float = 5.0
+    # The LISTEN keepalive of the relay frozen asleep: the default, as operators run it.
+    frozen_keepalive: float = 10.0
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(1, 30, 2_000, 1.0, 3_000, 5_000, 500, 1.0)
+        return cls(1, 30, 2_000, 1.0, 3_000, 5_000, 500, 1.0, 1.0)
 
 
 @dataclass
@@ -131,7 +134,10 @@ async def _producer_cost(plan: Plan, progress: Progress, report: Report, target:
                     results[trigger].append(
                         await measure.producer_commits(target, plan.cost_seconds)
                     )
-    await asyncio.to_thread(install, conninfo, names)  # leave the relay's trigger in place
+    # Leave the relay's trigger in place. The plain one has the same name, and install
+    # keeps a trigger it finds by name: it must go first.
+    await target.execute("drop trigger if exists outbox_events_relay_notify on outbox_events")
+    await asyncio.to_thread(install, conninfo, names)
     report.add(
         "commits_no_trigger", "producers, 8 writers, no trigger", "commits/s", results["none"]
     )
@@ -161,9 +167,81 @@ async def _producer_cost(plan: Plan, progress: Progress, report: Report, target:
     )
 
 
+SLEEP_LOCK_HELD = """
+select count(*) from pg_locks l join pg_stat_activity a on a.pid = l.pid
+ where l.locktype = 'advisory' and l.mode = 'ExclusiveLock' and l.granted
+   and a.application_name = 'outbox-relay listen' and a.datname = current_database()
+"""
+
+# A freeze must stop taxing producers within this long (the outage issue's target).
+FROZEN_RECOVERY_LIMIT = 75.0
+
+
+async def _frozen_relay(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
+    """Producers beside a relay frozen (SIGSTOP) while it holds the sleep lock: what
+    they pay while its session lives, how soon the server ends it, and what they
+    pay after; each against producers with no trigger at all beside the same frozen
+    relay (a live relay's draining would compete with them for the CPU)."""
+    names = Names.for_config(Config())
+    relay = RelayProcess(
+        target.url,
+        target.nats_url,
+        listen_keepalive=f"{plan.frozen_keepalive:g}s",
+        poll_interval="1h",
+    )
+    with progress.step("producer commits/s beside a relay frozen asleep"):
+        async with relay:
+            await wait_until_ready(target)
+            async with asyncio.timeout(60):
+                while await target.fetch_value(SLEEP_LOCK_HELD) == 0:  # noqa: ASYNC110 - a database condition, no event to wait on
+                    await asyncio.sleep(0.05)
+            assert relay.process is not None
+            relay.process.send_signal(signal.SIGSTOP)
+            frozen_at = time.perf_counter()
+            try:
+                while_held = await measure.producer_commits(target, plan.cost_seconds)
+                async with asyncio.timeout(FROZEN_RECOVERY_LIMIT * 2):
+                    while await target.fetch_value(SLEEP_LOCK_HELD) != 0:  # noqa: ASYNC110 - as above
+                        await asyncio.sleep(0.1)
+                ended_after = time.perf_counter() - frozen_at
+                after = await measure.producer_commits(target, plan.cost_seconds)
+                recovered_after = time.perf_counter() - frozen_at
+                await target.execute(
+                    "drop trigger if exists outbox_events_relay_notify on outbox_events"
+                )
+                none = await measure.producer_commits(target, plan.cost_seconds)
+                await asyncio.to_thread(install, connection_string(target.url), names)
+            finally:
+                relay.process.send_signal(signal.SIGCONT)
+    report.add(
+        "frozen_session_ended",
+        "relay frozen asleep: server ends its session after",
+        "s",
+        [ended_after],
+    )
+    report.add(
+        "frozen_ratio_held",
+        "producer cost ratio, relay frozen asleep, lock held",
+        "ratio",
+        [while_held / none],
+    )
+    report.add(
+        "frozen_ratio_after",
+        "producer cost ratio, relay frozen asleep, session ended",
+        "ratio",
+        [after / none],
+    )
+    report.add(
+        "frozen_recovered_after",
+        "relay frozen asleep: producers measured back by",
+        "s",
+        [recovered_after],
+    )
+
+
 async def run_all(target: Target, plan: Plan) -> Report:
     report = Report()
-    progress = Progress(total=plan.repetitions * 18 + 1)
+    progress = Progress(total=plan.repetitions * 18 + 2)
 
     for key, name, what, measurement in (
         ("wake_floor", "floor: LISTEN wake-up, commit to listener", "LISTEN wake-up floor",
@@ -228,6 +306,7 @@ async def run_all(target: Target, plan: Plan) -> Report:
             [await measure.drain_memory(target, plan.memory_rows)],
         )
     await _producer_cost(plan, progress, report, target)
+    await _frozen_relay(plan, progress, report, target)
     report.add(
         "plain_drain_rate",
         f"plain poller: drain a {plan.plain_drain_rows:,}-row backlog",
@@ -283,6 +362,13 @@ def verdicts(report: Report) -> list[Verdict]:
             report.get("producer_cost_ratio"),
             0.9,
             report.get("producer_cost_ratio") >= 0.9,
+        ),
+        (
+            "producers >= 0.85 x within 75 s of a relay frozen asleep",
+            report.get("frozen_ratio_after"),
+            0.85,
+            report.get("frozen_ratio_after") >= 0.85
+            and report.get("frozen_recovered_after") <= FROZEN_RECOVERY_LIMIT,
         ),
         (
             "peak memory draining < 150 MiB",

@@ -94,6 +94,12 @@ class Target:
         finally:
             await nc.close()
 
+    async def fetch_value(self, statement: str) -> Any:
+        """The first column of the first row of ``statement``."""
+        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
+            row = await (await c.execute(statement)).fetchone()
+        return row[0] if row else None
+
     async def execute(self, statement: str, params: tuple[Any, ...] = ()) -> None:
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
             await c.execute(statement, params)

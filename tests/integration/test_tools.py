@@ -28,7 +28,8 @@ FIGURES = {
     "drain_rate", "drain_memory", "commits_no_trigger", "commits_relay_trigger",
     "commits_plain_trigger", "producer_cost_ratio", "plain_trigger_ratio",
     "plain_drain_rate", "plain_latency_100_p50", "plain_latency_100_p99",
-    "plain_latency_100_max",
+    "plain_latency_100_max", "frozen_session_ended", "frozen_ratio_held",
+    "frozen_ratio_after", "frozen_recovered_after",
 }  # fmt: skip
 
 
@@ -46,7 +47,7 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
     for figure in document["figures"].values():
         assert figure["min"] <= figure["median"] <= figure["max"]
         assert figure["median"] > 0, figure
-    assert len(document["targets"]) == 6
+    assert len(document["targets"]) == 7
     assert "targets:" in result.stdout
     assert "done in" in result.stderr  # the progress line finished
 
