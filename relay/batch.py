@@ -30,7 +30,7 @@ from relay.config import Config
 from relay.database import Claim
 from relay.envelope import Message, build_message
 from relay.failpoints import Failpoints
-from relay.marks import Marks, broker_outage, decide_marks
+from relay.marks import Marks, decide_marks
 from relay.model import Failed, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
@@ -175,7 +175,7 @@ class Batch:
                     if self._failpoints.enabled(crash)
                     else None,
                 )
-            return BatchOutcome(rows, held, results, marks, broker_outage(results))
+            return BatchOutcome(rows, held, results, marks, marks.broker_outage)
         finally:
             # Out of flight only once its transaction is over: until then a later
             # claim sees its rows as unpublished.

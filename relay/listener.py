@@ -168,7 +168,7 @@ class Listener:
                 if trio.current_time() >= quiet_until:
                     # Nothing said on this connection for a whole keepalive, however many
                     # notifications came: make sure it still works. It also shows the
-                    # server this session is alive (see idle_session_timeout below).
+                    # server this session is alive (see server_idle_timeout).
                     await conn.probe()
                     self._spoke_at = trio.current_time()
                     continue

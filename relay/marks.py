@@ -45,6 +45,8 @@ class Marks:
     published: list[RowId] = field(default_factory=list)
     failed: list[FailureMark] = field(default_factory=list)
     newly_dead: list[tuple[OutboxRow, Failed]] = field(default_factory=list)
+    # The broker failed the batch (broker_outage): its rows that failed were spared.
+    broker_outage: bool = False
 
 
 def decide_marks(
@@ -59,13 +61,12 @@ def decide_marks(
     or goes straight to the cap when the failure is permanent or this was its last
     attempt. Rows without a result were never sent and are left as they are, and so
     are rows that failed only because the broker did (see :func:`broker_outage`)."""
-    marks = Marks()
-    spare_broker_side = broker_outage(results)
+    marks = Marks(broker_outage=broker_outage(results))
     for row_id, result in results.items():
         if isinstance(result, Acked):
             marks.published.append(row_id)
             continue
-        if spare_broker_side and result.reason in BROKER_SIDE:
+        if marks.broker_outage and result.reason in BROKER_SIDE:
             continue
         row = rows[row_id]
         attempts = max_attempts if result.reason.permanent else min(row.attempts + 1, max_attempts)

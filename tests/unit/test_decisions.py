@@ -276,6 +276,7 @@ class TestMarks:
         }
         assert broker_outage(results)
         marks = self.decide([last, other, bad], results)
+        assert marks.broker_outage
         assert [m.id for m in marks.failed] == [bad.id]
         assert [dead.id for dead, _ in marks.newly_dead] == [bad.id]
 
