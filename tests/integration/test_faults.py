@@ -448,7 +448,7 @@ def test_mixed_campaign_of_every_fault(start_relay):
             with ThreadPoolExecutor(1) as pool:
                 late = pool.submit(late_commit, pg.url, campaign)
                 step()
-                late.result(timeout=120)
+                late.result(timeout=300)
             faults.append("late commit")
             campaign.wait_for(20_000, timeout=300)
             campaign.stop()
