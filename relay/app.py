@@ -156,6 +156,14 @@ class Relay:
                 await trio.sleep(delay)
                 continue
             self.health.database = True
+            if report.adopted_dead:
+                log.warning(
+                    "%d rows of %s were at the attempt cap (%d) without being marked dead: "
+                    "marked dead now (`outbox-relay status` lists them, `requeue` retries them)",
+                    report.adopted_dead,
+                    self.config.table_display,
+                    self.config.max_attempts,
+                )
             if not report.trigger_present:
                 log.warning(
                     "notify trigger is not installed on %s: relying on the %.3gs poll only "

@@ -127,6 +127,8 @@ async def translated(doing: str) -> AsyncIterator[None]:
 @dataclass(frozen=True)
 class SetupReport:
     trigger_present: bool
+    # Rows at the cap found without relay_dead_at, and marked dead now.
+    adopted_dead: int
 
 
 async def _execute_and_commit(
@@ -219,7 +221,9 @@ class Transaction:
             cursor.nextset()  # past the BEGIN's result, to the claim's rows
             found = await cursor.fetchall()
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
-        blockers = earliest_blockers(((row[4], (row[7], row[1])) for row in found if row[0]), ours)
+        blockers = earliest_blockers(
+            ((row[4], (row[7], row[8], row[1])) for row in found if row[0]), ours
+        )
         return Claim(rows, blockers)
 
     async def mark_and_commit(
@@ -352,7 +356,8 @@ class Database:
             await _give_back(pool, conn)
 
     async def check_setup(self) -> SetupReport:
-        """Fail clearly if the table or the relay's columns are missing."""
+        """Fail clearly if the table or the relay's columns are missing; mark dead the
+        rows at the cap that are not (see the adopt_dead query)."""
         table_text = sql.Identifier(*self.config.table).as_string()
         async with self.connection("check setup") as conn, translated("check setup"):
             cursor = await aio.call(conn.execute, "select to_regclass(%s)", (table_text,))
@@ -366,10 +371,11 @@ class Database:
                 conn.execute, query(self.names, "relay_columns"), {"table": table_text}
             )
             columns = await aio.call(cursor.fetchone)
-            if columns is None or columns[0] != 2:
+            if columns is None or columns[0] != 4:
                 raise SetupError(
                     f"--table: table {self.config.table_display} lacks the relay's columns "
-                    "(relay_retry_at, relay_last_error): run `outbox-relay install`"
+                    "(relay_retry_at, relay_last_error, relay_dead_at, relay_seq): "
+                    "run `outbox-relay install`"
                 )
             cursor = await aio.call(
                 conn.execute,
@@ -377,7 +383,13 @@ class Database:
                 {"table": table_text, "trigger": self.names.trigger_name},
             )
             trigger = await aio.call(cursor.fetchone)
-        return SetupReport(trigger_present=bool(trigger and trigger[0]))
+            cursor = await aio.call(
+                conn.execute,
+                query(self.names, "adopt_dead"),
+                {"max_attempts": self.config.max_attempts},
+            )
+            adopted = cursor.rowcount
+        return SetupReport(trigger_present=bool(trigger and trigger[0]), adopted_dead=adopted)
 
     async def backlog(self, max_attempts: int) -> Backlog:
         async with self.connection("gauges") as conn, translated("gauges"):

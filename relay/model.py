@@ -17,7 +17,8 @@ fixed-width lowercase hex."""
 class OutboxRow(NamedTuple):
     """One claimed ``outbox_events`` row, as the claim query renders it: ``data`` is
     the jsonb payload as JSON text, ``time`` the RFC 3339 text of the envelope's time
-    in UTC (None when RFC 3339 cannot express it), ``created_at`` epoch seconds.
+    in UTC (None when RFC 3339 cannot express it), ``created_at`` epoch seconds,
+    ``seq`` the row's ``relay_seq`` (its place among the inserts).
 
     A named tuple, not a frozen dataclass: one is built per claimed row, and a
     frozen dataclass costs three times as much to build (4.7 vs 1.5 us here)."""
@@ -29,15 +30,16 @@ class OutboxRow(NamedTuple):
     time: str | None
     data: str
     created_at: float
+    seq: int
     attempts: int
 
     @property
-    def order_key(self) -> tuple[float, RowId]:
-        """Rows are published in this order. ``id`` breaks ``created_at`` ties, which
-        every row inserted by one transaction shares (``now()`` is the transaction's
-        start), so the order is total and the same in SQL and in Python: Postgres
-        compares uuids bytewise, as Python compares their canonical text."""
-        return (self.created_at, self.id)
+    def order_key(self) -> tuple[float, int, RowId]:
+        """Rows are published in this order, the claim index's. ``seq`` breaks
+        ``created_at`` ties, which every row inserted by one transaction shares
+        (``now()`` is the transaction's start), in the order they were inserted; ``id``
+        only makes the order total (``seq`` comes from a sequence and never repeats)."""
+        return (self.created_at, self.seq, self.id)
 
 
 class FailureReason(enum.StrEnum):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence, Set
 
 from relay.model import Acked, OutboxRow, PublishResult, RowId
 
-OrderKey = tuple[float, RowId]  # (created_at in epoch seconds, id)
+OrderKey = tuple[float, int, RowId]  # (created_at in epoch seconds, relay_seq, id)
 
 
 def earliest_blockers(
@@ -25,7 +25,7 @@ def earliest_blockers(
     (``ours``): those are waited on, not held behind (see :func:`unsettled_subjects`)."""
     earliest: dict[str, OrderKey] = {}
     for subject, key in found:
-        if key[1] in ours:
+        if key[2] in ours:
             continue
         if subject not in earliest or key < earliest[subject]:
             earliest[subject] = key

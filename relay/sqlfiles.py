@@ -77,12 +77,17 @@ class Names:
 
     table: sql.Identifier
     unpublished_idx: sql.Identifier
+    claim_idx: sql.Identifier
     retry_idx: sql.Identifier
     published_idx: sql.Identifier
+    seq: sql.Identifier
+    claim_idx_qualified: sql.Identifier
     retry_idx_qualified: sql.Identifier
-    # The backoff index of installs made before the retry index (predicate:
-    # unpublished and in backoff); install drops it, see sql/install/002.
+    # Indexes of earlier installs that install drops (see sql/install/002): the
+    # backoff index (predicate: unpublished and in backoff), then the retry index
+    # ordered by (subject, created_at, id).
     old_backoff_idx_qualified: sql.Identifier
+    old_retry_idx_qualified: sql.Identifier
     published_idx_qualified: sql.Identifier
     notify_function: sql.Identifier
     notify_trigger: sql.Identifier
@@ -104,10 +109,14 @@ class Names:
         return cls(
             table=sql.Identifier(*config.table),
             unpublished_idx=sql.Identifier(f"{base}_unpublished_idx"),
-            retry_idx=sql.Identifier(f"{base}_relay_retry_idx"),
+            claim_idx=sql.Identifier(f"{base}_relay_claim_idx"),
+            retry_idx=sql.Identifier(f"{base}_relay_waiting_idx"),
             published_idx=sql.Identifier(f"{base}_relay_published_idx"),
-            retry_idx_qualified=sql.Identifier(*schema, f"{base}_relay_retry_idx"),
+            seq=sql.Identifier(*schema, f"{base}_relay_seq"),
+            claim_idx_qualified=sql.Identifier(*schema, f"{base}_relay_claim_idx"),
+            retry_idx_qualified=sql.Identifier(*schema, f"{base}_relay_waiting_idx"),
             old_backoff_idx_qualified=sql.Identifier(*schema, f"{base}_relay_backoff_idx"),
+            old_retry_idx_qualified=sql.Identifier(*schema, f"{base}_relay_retry_idx"),
             published_idx_qualified=sql.Identifier(*schema, f"{base}_relay_published_idx"),
             notify_function=sql.Identifier(*schema, f"{base}_relay_notify"),
             notify_trigger=sql.Identifier(f"{base}_relay_notify"),
@@ -118,8 +127,11 @@ class Names:
             catalog_names={
                 "table": sql.Literal(_quoted(*config.table)),
                 "unpublished_idx": sql.Literal(_quoted(*schema, f"{base}_unpublished_idx")),
-                "retry_idx": sql.Literal(_quoted(*schema, f"{base}_relay_retry_idx")),
+                "claim_idx": sql.Literal(_quoted(*schema, f"{base}_relay_claim_idx")),
+                "retry_idx": sql.Literal(_quoted(*schema, f"{base}_relay_waiting_idx")),
+                "seq": sql.Literal(_quoted(*schema, f"{base}_relay_seq")),
                 "old_backoff_idx": sql.Literal(_quoted(*schema, f"{base}_relay_backoff_idx")),
+                "old_retry_idx": sql.Literal(_quoted(*schema, f"{base}_relay_retry_idx")),
                 "published_idx": sql.Literal(_quoted(*schema, f"{base}_relay_published_idx")),
             },
         )
@@ -130,15 +142,22 @@ class Names:
             table=self.table,
             table_name=self.catalog_names["table"],
             unpublished_idx_name=self.catalog_names["unpublished_idx"],
+            claim_idx_name=self.catalog_names["claim_idx"],
             retry_idx_name=self.catalog_names["retry_idx"],
+            seq_name=self.catalog_names["seq"],
             old_backoff_idx_name=self.catalog_names["old_backoff_idx"],
+            old_retry_idx_name=self.catalog_names["old_retry_idx"],
             published_idx_name=self.catalog_names["published_idx"],
             trigger_name=sql.Literal(self.trigger_name),
             unpublished_idx=self.unpublished_idx,
+            claim_idx=self.claim_idx,
             retry_idx=self.retry_idx,
             published_idx=self.published_idx,
+            seq=self.seq,
+            claim_idx_qualified=self.claim_idx_qualified,
             retry_idx_qualified=self.retry_idx_qualified,
             old_backoff_idx_qualified=self.old_backoff_idx_qualified,
+            old_retry_idx_qualified=self.old_retry_idx_qualified,
             published_idx_qualified=self.published_idx_qualified,
             notify_function=self.notify_function,
             notify_trigger=self.notify_trigger,

@@ -5,9 +5,17 @@
 -- prepares it (relay/database.py says why).
 
 -- name: claim
--- Claim the next batch in order. Rows another relay holds are skipped, not waited
--- on. A row waiting out its backoff is not claimed, and neither is any later row
--- of its subject (per-subject order); a row at the cap holds nothing up.
+-- Claim the next batch in order: (created_at, relay_seq), the claim index's order,
+-- so the walk reads the batch and stops, however many rows share a created_at and
+-- however many dead rows there are (they are not in that index). The claim index's
+-- predicate is "coalesce(published_at, relay_dead_at) is null", and the scans say
+-- it in those words: the planner then cannot walk the contract's index (on
+-- created_at alone, with dead rows in it) instead, which fresh statistics of one
+-- big transaction or of many dead rows made it do.
+--
+-- Rows another relay holds are skipped, not waited on. A row waiting out its
+-- backoff is not claimed, and neither is any later row of its subject (per-subject
+-- order); a row at the cap holds nothing up.
 --
 -- Timestamps leave the database as text and numbers the relay can always read:
 -- ``time`` as the envelope's RFC 3339 text (null when RFC 3339 cannot express it:
@@ -21,82 +29,70 @@
 -- taken by a concurrent claim. Claimed rows behind the earliest of their subject
 -- must wait (the relay picks that one: a DISTINCT ON here would need a sort). A
 -- plain read sees rows other relays have locked without waiting for them.
-with horizon as materialized (
-  -- How far the claim looks: the created_at of the 2 x batch_size-th claimable row
-  -- (room for rows other relays hold). Ordered by created_at alone, this is a walk
-  -- of the unpublished index that stops there, with no sort, whatever the
-  -- statistics say; ordering by (created_at, id) needs a sort, and a planner that
-  -- believes the backlog is tiny (statistics from before a burst) sorts all of it,
-  -- every claim: 200 ms for 50,000 rows here, growing with the backlog.
-  select h.created_at
-    from {table} h
-   where h.published_at is null
-     and h.attempts < {max_attempts}
-     and (h.relay_retry_at is null or h.relay_retry_at <= now())
+with claimed as materialized (
+  select o.id, o.event_type, o.source, o.subject,
+         case when o.time >= '0001-01-01 00:00:00+00' and o.time < '10000-01-01 00:00:00+00'
+              then to_char(o.time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+         end as time,
+         o.data::text as data, o.created_at, o.relay_seq, o.attempts
+    from {table} o
+   where coalesce(o.published_at, o.relay_dead_at) is null
+     and o.attempts < {max_attempts}
+     and (o.relay_retry_at is null or o.relay_retry_at <= now())
      and not exists (
            -- No "published_at is null" here: see the retry index in install/002.
            -- A row in backoff is unpublished (marking a row published clears
            -- relay_retry_at, and so does requeue).
            select 1
              from {table} b
-            where b.subject = h.subject
-              and b.relay_retry_at > now()
-              and b.attempts < {max_attempts}
-              and (b.created_at, b.id) < (h.created_at, h.id)
-           offset 0)
-   order by h.created_at
-   offset 2 * {batch_size} - 1
-   limit 1
-),
-claimed as materialized (
-  select o.id, o.event_type, o.source, o.subject,
-         case when o.time >= '0001-01-01 00:00:00+00' and o.time < '10000-01-01 00:00:00+00'
-              then to_char(o.time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-         end as time,
-         o.data::text as data, o.created_at, o.attempts
-    from {table} o
-   where o.published_at is null
-     and o.created_at <= coalesce((select created_at from horizon), 'infinity')
-     -- The horizon's filter again, and it must stay the same: a row is locked by
-     -- this scan, and only this scan's conditions are checked again on a row that
-     -- changed (another relay published it) while the statement ran. Claiming the
-     -- horizon's rows by id instead would also cut a tie group (one transaction's
-     -- rows share created_at) in index order rather than id order.
-     and o.attempts < {max_attempts}
-     and (o.relay_retry_at is null or o.relay_retry_at <= now())
-     and not exists (
-           select 1
-             from {table} b
             where b.subject = o.subject
               and b.relay_retry_at > now()
               and b.attempts < {max_attempts}
-              and (b.created_at, b.id) < (o.created_at, o.id)
+              and (b.created_at, b.relay_seq) < (o.created_at, o.relay_seq)
            offset 0)
-   order by o.created_at, o.id
+   order by o.created_at, o.relay_seq
    limit {batch_size}
      for update of o skip locked
+),
+last as materialized (
+  select created_at, relay_seq from claimed order by created_at desc, relay_seq desc limit 1
+),
+-- The unpublished live rows before the batch's last row, in two walks of the claim
+-- index, each bounded by parameters: rows of an earlier created_at, then rows of
+-- the last created_at before the last row. One walk with a row comparison
+-- "(created_at, relay_seq) < last" was planned as "created_at <= last", reading
+-- every row that shares the batch's last created_at: the rest of one big
+-- transaction, a million rows.
+ahead as (
+  select e.id, e.subject, e.created_at, e.relay_seq
+    from {table} e
+   where coalesce(e.published_at, e.relay_dead_at) is null
+     and e.attempts < {max_attempts}
+     and e.created_at < (select created_at from last)
+  union all
+  select e.id, e.subject, e.created_at, e.relay_seq
+    from {table} e
+   where coalesce(e.published_at, e.relay_dead_at) is null
+     and e.attempts < {max_attempts}
+     and e.created_at = (select created_at from last)
+     and e.relay_seq < (select relay_seq from last)
 )
 select false as blocker, id::text, event_type, source, subject, time, data,
-       extract(epoch from created_at)::float8 as created_at, attempts
+       extract(epoch from created_at)::float8 as created_at,
+       coalesce(relay_seq, 9223372036854775807) as relay_seq, attempts
   from claimed
 union all
-select true, e.id::text, null, null, e.subject, null, null,
-       extract(epoch from e.created_at)::float8, null
-  from {table} e
- where e.published_at is null
-   and e.attempts < {max_attempts}
-   and e.created_at <= (select max(created_at) from claimed)
-   -- Rows sharing the batch's last created_at (one big transaction) but after it
-   -- in id order come later: they block nothing, and there may be thousands.
-   and (e.created_at, e.id) < (select c.created_at, c.id from claimed c
-                                order by c.created_at desc, c.id desc limit 1)
-   -- "is true" keeps this a hashed subplan, as "not in" below is: a bare "in" is
-   -- turned into a semi join, and on statistics from before a burst the planner
-   -- expects a handful of claimed rows and loops over all of them for every row
-   -- here. With another batch's rows locked (another replica's, or this relay's
-   -- previous batch) that was 250,000 comparisons and 60 ms a claim, measured here.
-   and (e.subject in (select subject from claimed)) is true
-   and e.id not in (select id from claimed);
+select true, a.id::text, null, null, a.subject, null, null,
+       extract(epoch from a.created_at)::float8,
+       coalesce(a.relay_seq, 9223372036854775807), null
+  from ahead a
+ -- "is true" keeps this a hashed subplan, as "not in" below is: a bare "in" is
+ -- turned into a semi join, and on statistics from before a burst the planner
+ -- expects a handful of claimed rows and loops over all of them for every row
+ -- here. With another batch's rows locked (another replica's, or this relay's
+ -- previous batch) that was 250,000 comparisons and 60 ms a claim, measured here.
+ where (a.subject in (select subject from claimed)) is true
+   and a.id not in (select id from claimed);
 
 -- name: mark_published
 -- The ids come as one uuid[] literal in a string: the relay holds them as text, and
@@ -109,10 +105,13 @@ update {table}
  where id = any(%(ids)s::uuid[]);
 
 -- name: mark_failed
+-- A row with no delay is at the cap: it is dead from now on (relay_retry_at null,
+-- relay_dead_at set), which takes it out of the claim index.
 update {table} t
    set attempts = f.attempts,
        relay_retry_at = clock_timestamp() + make_interval(secs => f.delay),
-       relay_last_error = f.error
+       relay_last_error = f.error,
+       relay_dead_at = case when f.delay is null then clock_timestamp() end
   from unnest(%(ids)s::text[]::uuid[], %(attempts)s::int[], %(delays)s::float8[],
               %(errors)s::text[])
        as f(id, attempts, delay, error)
@@ -137,7 +136,7 @@ delete from {table} t
 -- name: relay_columns
 select count(*) from pg_attribute
  where attrelid = %(table)s::regclass
-   and attname in ('relay_retry_at', 'relay_last_error')
+   and attname in ('relay_retry_at', 'relay_last_error', 'relay_dead_at', 'relay_seq')
    and not attisdropped;
 
 -- name: notify_trigger_present
@@ -148,9 +147,11 @@ select count(*) from pg_trigger
 -- Table-wide gauges. Reads only the partial index of unpublished rows (and their
 -- heap tuples), so it costs the backlog, not the table.
 select count(*) as unpublished,
-       count(*) filter (where attempts >= %(max_attempts)s) as dead,
+       count(*) filter (where attempts >= %(max_attempts)s or relay_dead_at is not null)
+         as dead,
        coalesce(extract(epoch from clock_timestamp()
-                - min(created_at) filter (where attempts < %(max_attempts)s)), 0)::float8
+                - min(created_at) filter (where attempts < %(max_attempts)s
+                                            and relay_dead_at is null)), 0)::float8
          as oldest_age_seconds
   from {table}
  where published_at is null;
@@ -159,8 +160,10 @@ select count(*) as unpublished,
 -- `outbox-relay status`: the backlog per event_type, from the partial index.
 select event_type,
        count(*) as unpublished,
-       count(*) filter (where attempts >= %(max_attempts)s) as dead,
-       count(*) filter (where attempts < %(max_attempts)s and relay_retry_at > now())
+       count(*) filter (where attempts >= %(max_attempts)s or relay_dead_at is not null)
+         as dead,
+       count(*) filter (where attempts < %(max_attempts)s and relay_dead_at is null
+                          and relay_retry_at > now())
          as backing_off,
        coalesce(extract(epoch from clock_timestamp() - min(created_at)), 0)::float8
          as oldest_age_seconds,
@@ -177,17 +180,28 @@ select event_type,
 select id, event_type, attempts, relay_last_error
   from {table}
  where published_at is null
-   and (attempts > 0 or relay_retry_at is not null)
+   and (attempts > 0 or relay_retry_at is not null or relay_dead_at is not null)
    and (   id = any(%(ids)s)
-        or (%(all_dead)s and attempts >= %(max_attempts)s)
-        or (attempts >= %(max_attempts)s and event_type = any(%(event_types)s)))
+        or (%(all_dead)s and (attempts >= %(max_attempts)s or relay_dead_at is not null))
+        or ((attempts >= %(max_attempts)s or relay_dead_at is not null)
+            and event_type = any(%(event_types)s)))
  order by created_at, id
    for update;
 
 -- name: requeue_reset
 update {table}
-   set attempts = 0, relay_retry_at = null, relay_last_error = null
+   set attempts = 0, relay_retry_at = null, relay_last_error = null, relay_dead_at = null
  where id = any(%(ids)s) and published_at is null;
+
+-- name: adopt_dead
+-- Rows at the cap that are not marked dead (left by a relay from before
+-- relay_dead_at, set by hand, or under a lower --max-attempts): marked dead at
+-- start, so they leave the claim index. Reads the unpublished rows once.
+update {table}
+   set relay_dead_at = clock_timestamp(), relay_retry_at = null
+ where published_at is null
+   and relay_dead_at is null
+   and attempts >= %(max_attempts)s;
 
 -- name: wake_relays
 select pg_notify(%(channel)s, '');

@@ -16,7 +16,7 @@ from relay.model import OutboxRow
 CLAIM = (
     "select id::text, event_type, source, subject, "
     "to_char(time at time zone 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), data::text, "
-    "extract(epoch from created_at)::float8, attempts "
+    "extract(epoch from created_at)::float8, 0, attempts "
     "from outbox_events where published_at is null order by created_at limit %s "
     "for update skip locked"
 )
@@ -30,7 +30,7 @@ async def plain_poller(url: str, nats_url: str, stop: asyncio.Event, batch: int 
             while not stop.is_set():
                 async with conn.transaction():
                     cursor = await conn.execute(CLAIM, (batch,))
-                    rows: list[tuple[str, str, str, str, str, str, float, int]]
+                    rows: list[tuple[str, str, str, str, str, str, float, int, int]]
                     rows = await cursor.fetchall()
                     for row in rows:
                         message = build_message(OutboxRow(*row), row[4])

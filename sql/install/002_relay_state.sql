@@ -5,6 +5,9 @@
 -- table makes backoff hold across relay restarts and across replicas.
 -- relay_last_error: why the last publish failed, for `outbox-relay status` and
 -- for whoever is paged about a dead row.
+-- relay_dead_at: when the relay gave up on the row (it reached the attempt cap).
+-- A dead row leaves the claim index below, so dead rows left by an incident cost
+-- the claim nothing; `requeue` clears it.
 --
 -- Every change is made only when missing (checked in the catalog first), so an
 -- install on an installed table takes no lock on it: "alter table ... add column
@@ -21,27 +24,76 @@ begin
                     and not attisdropped) then
     alter table {table} add column relay_last_error text null;
   end if;
+  if not exists (select 1 from pg_attribute
+                  where attrelid = {table_name}::regclass and attname = 'relay_dead_at'
+                    and not attisdropped) then
+    alter table {table} add column relay_dead_at timestamptz null;
+  end if;
 
-  -- Rows waiting out a backoff, by subject: the claim query asks "does an earlier
-  -- row of this subject wait?" through this index, once per row it considers.
-  -- Producers insert rows with relay_retry_at null, so their inserts never touch it.
-  -- Its predicate is relay_retry_at alone (the relay clears it when it marks a row
-  -- published), so the claim's question can be answered by this index and by no
-  -- other: an index with "published_at is null" in its predicate, like the
-  -- unpublished index, would let a planner misled by stale statistics rescan the
-  -- whole backlog for every row it considers (seen here: a claim over a 50,000-row
-  -- burst on a table last analyzed while drained ran past the statement timeout).
+  -- relay_seq: insertion order. Every row of one transaction shares created_at
+  -- (now() is the transaction's start), so created_at alone cannot order them; the
+  -- relay publishes ties in relay_seq order, which is the order of the inserts
+  -- (a multi-row insert numbers its rows in the order it inserts them). The column
+  -- is added without a default (catalog only), then given one, which applies to new
+  -- rows only: no rewrite either way. Unpublished rows inserted before are numbered
+  -- once here, in the (created_at, id) order earlier relays published them in.
+  if to_regclass({seq_name}) is null then
+    create sequence {seq} as bigint;
+  end if;
+  if not exists (select 1 from pg_attribute
+                  where attrelid = {table_name}::regclass and attname = 'relay_seq'
+                    and not attisdropped) then
+    alter table {table} add column relay_seq bigint null;
+  end if;
+  if not exists (select 1 from pg_attrdef d
+                   join pg_attribute a on a.attrelid = d.adrelid and a.attnum = d.adnum
+                  where d.adrelid = {table_name}::regclass and a.attname = 'relay_seq') then
+    alter table {table} alter column relay_seq set default nextval({seq_name}::regclass);
+    update {table} t
+       set relay_seq = o.seq
+      from (select id, row_number() over (order by created_at, id) - count(*) over () - 1
+                     as seq
+              from {table}
+             where published_at is null and relay_seq is null) o
+     where t.id = o.id;
+  end if;
+
+  -- The claim's walk, in publishing order: unpublished rows that are not dead.
+  -- Its order is the claim's own, so a claim reads its batch and stops, however
+  -- many rows share a created_at (one transaction's) and however many dead rows
+  -- sit before them; the contract's index on created_at alone cannot end a walk
+  -- inside a group of ties.
+  if to_regclass({claim_idx_name}) is null then
+    create index {claim_idx}
+      on {table} (created_at, relay_seq)
+      where coalesce(published_at, relay_dead_at) is null;
+  end if;
+
+  -- Rows waiting out a backoff, by subject in publishing order: the claim asks
+  -- "does an earlier row of this subject wait?" through this index, once per row
+  -- it considers. Producers insert rows with relay_retry_at null, so their inserts
+  -- never touch it. Its predicate is relay_retry_at alone (the relay clears it when
+  -- it marks a row published or dead), so the claim's question can be answered by
+  -- this index and by no other: an index with "published_at is null" in its
+  -- predicate, like the unpublished index, would let a planner misled by stale
+  -- statistics rescan the whole backlog for every row it considers (seen here: a
+  -- claim over a 50,000-row burst on a table last analyzed while drained ran past
+  -- the statement timeout).
   if to_regclass({retry_idx_name}) is null then
     create index {retry_idx}
-      on {table} (subject, created_at, id)
+      on {table} (subject, created_at, relay_seq)
       where relay_retry_at is not null;
   end if;
 
-  -- Installs before this index had one with "published_at is null and
-  -- relay_retry_at is not null": the claim no longer uses it, and it would only
-  -- cost the relay's marks. Dropping it locks the table briefly, once.
+  -- Earlier installs had indexes the claim no longer uses, which would only cost
+  -- the relay's marks: one with "published_at is null and relay_retry_at is not
+  -- null", then one by (subject, created_at, id). Dropping them locks the table
+  -- briefly, once.
   if to_regclass({old_backoff_idx_name}) is not null then
     drop index {old_backoff_idx_qualified};
+  end if;
+  if to_regclass({old_retry_idx_name}) is not null then
+    drop index {old_retry_idx_qualified};
   end if;
 
   -- Spent rows by age, for retention. Producers insert rows with published_at

@@ -175,6 +175,30 @@ def test_per_subject_order_across_two_relays(db_url, stream, start_relay):
         assert numbers == sorted(numbers), f"{subject} out of order: {numbers}"
 
 
+def test_one_transactions_rows_go_out_in_insertion_order(db_url, stream, start_relay):
+    # Every row of one transaction shares created_at. Their ids here run backwards
+    # (id order is the reverse of insertion order, as it is arbitrary for v4 ids), and
+    # two relays with small batches cut the group into many claims and race on it:
+    # each subject's rows must still reach the stream in the order they were inserted.
+    count = 1500
+    events = [
+        Event(stream.subject("bulk"), f"entity-{i % 3}", {"n": i}, id=uuid.UUID(int=count - i))
+        for i in range(count)
+    ]
+    database.insert(db_url, events)
+    start_relay(batch_size=50)
+    start_relay(batch_size=50)
+    messages = delivered(stream, count, timeout=60)
+    assert sorted(m.msg_id for m in messages) == sorted(str(e.id) for e in events)
+    per_subject: dict[str, list[int]] = {}
+    for message in sorted(messages, key=lambda m: m.seq):
+        envelope = message.envelope
+        per_subject.setdefault(envelope["subject"], []).append(envelope["data"]["n"])
+    assert len(per_subject) == 3
+    for subject, numbers in per_subject.items():
+        assert numbers == sorted(numbers), f"{subject} out of insertion order: {numbers[:20]}"
+
+
 def test_batches_in_flight_keep_per_subject_order(db_url, stream, start_relay):
     # A deep backlog of five subjects, drained in batches of ten: the relay keeps a
     # second batch in flight beside the first, and nearly every row of the second

@@ -164,6 +164,7 @@ def test_unpublishable_row_goes_to_the_cap_at_once(db_url, stream, start_relay, 
     row = database.rows_by_id(db_url)[str(bad.id)]
     assert row["published_at"] is None
     assert row["attempts"] == 20
+    assert row["relay_dead_at"] is not None
     assert row["relay_last_error"].startswith(reason)
     assert relay.metric("outbox_relay_dead_marked_total", event_type=event_type, reason=reason) == 1
 

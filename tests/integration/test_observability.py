@@ -180,6 +180,7 @@ def test_requeue_by_event_type_resets_only_those_dead_rows(db_url, stuck_rows):
     for name in ("dead_a1", "dead_a2"):
         row = rows[str(stuck_rows[name])]
         assert (row["attempts"], row["relay_retry_at"], row["relay_last_error"]) == (0, None, None)
+        assert row["relay_dead_at"] is None
     assert rows[str(stuck_rows["dead_b"])]["attempts"] == 20
     assert rows[str(stuck_rows["backing_off"])]["attempts"] == 3
 
@@ -203,12 +204,21 @@ def test_requeue_by_id_and_all_dead(db_url, stuck_rows):
 
 
 def test_requeued_rows_are_published(db_url, stream, start_relay):
+    # Left at the cap without relay_dead_at (by a relay from before it, or by hand):
+    # the relay marks the row dead when it starts, and requeue brings it back.
     dead = Event(stream.subject("again"), "x")
     database.insert(db_url, [dead])
     database.execute(db_url, "update outbox_events set attempts = 20")
-    start_relay(poll_interval="30s")
+    relay = start_relay(poll_interval="30s", max_attempts=20)
+    assert database.rows_by_id(db_url)[str(dead.id)]["relay_dead_at"] is not None
+    assert any(
+        "1 rows of outbox_events were at the attempt cap (20)" in record["message"]
+        for record in relay.log_records()
+    ), relay.logs()
+    wait_until(lambda: relay.metric("outbox_relay_dead_rows") == 1, message="dead gauge")
     assert "requeued 1 rows" in cli(db_url, "requeue", "--all-dead", "--execute").stdout
     wait_until(stream.read, message="requeued row published (woken by requeue)")
+    assert database.rows_by_id(db_url)[str(dead.id)]["relay_dead_at"] is None
 
 
 def test_gauge_query_reads_only_the_partial_index(db_url):

@@ -93,7 +93,7 @@ def rows_by_id(url: str) -> dict[str, dict[str, Any]]:
     with psycopg.connect(url) as conn:
         cur = conn.execute(
             "select id::text, event_type, subject, published_at, attempts, relay_retry_at, "
-            "relay_last_error, created_at from outbox_events"
+            "relay_last_error, relay_dead_at, created_at from outbox_events"
         )
         cols = [d.name for d in cur.description or ()]
         return {row[0]: dict(zip(cols, row, strict=True)) for row in cur.fetchall()}

@@ -30,7 +30,15 @@ MAX_PAYLOAD = 1024 * 1024
 
 def row(subject: str, created_at: float, event_type: str = "orders.placed") -> OutboxRow:
     return OutboxRow(
-        str(uuid.uuid4()), event_type, "shop", subject, "2026-01-01T00:00:00Z", "{}", created_at, 0
+        str(uuid.uuid4()),
+        event_type,
+        "shop",
+        subject,
+        "2026-01-01T00:00:00Z",
+        "{}",
+        created_at,
+        0,
+        0,
     )
 
 

@@ -34,6 +34,7 @@ def row(
     subject: str = "s",
     *,
     seconds: float = 0,
+    seq: int = 0,
     attempts: int = 0,
     event_type: str = "a.b",
     data: str = "{}",
@@ -46,6 +47,7 @@ def row(
         TIME,
         data,
         T0 + seconds,
+        seq,
         attempts,
     )
 
@@ -128,6 +130,7 @@ class TestEnvelope:
             "2026-03-04T05:06:07.890000Z",
             '{"b": [1, 2], "a": "ü"}',
             T0,
+            1,
             0,
         )
         message = build(r)
@@ -148,7 +151,7 @@ class TestEnvelope:
         "text", ['quote " back \\ slash', "tab\tnewline\ncontrol\x01", "ünï 😀 \u2028", ""]
     )
     def test_odd_text_columns_are_escaped(self, text):
-        r = OutboxRow(str(uuid.uuid4()), text, text, text, TIME, "{}", T0, 0)
+        r = OutboxRow(str(uuid.uuid4()), text, text, text, TIME, "{}", T0, 1, 0)
         body = json.loads(build(r).body)
         assert (body["type"], body["source"], body["subject"]) == (text, text, text)
 
@@ -172,15 +175,16 @@ class TestEnvelope:
 class TestOrdering:
     def test_rows_behind_an_outside_blocker_are_held(self):
         a1, a2, b1 = row("a", seconds=1), row("a", seconds=3), row("b", seconds=2)
-        blockers = {"a": (T0 + 2, str(uuid.UUID(int=0)))}
+        blockers = {"a": (T0 + 2, 0, str(uuid.UUID(int=0)))}
         assert held_behind_blockers([a1, a2, b1], blockers) == {a2.id}
 
-    def test_ties_on_created_at_are_broken_by_id(self):
+    def test_ties_on_created_at_are_broken_by_insertion_order_not_id(self):
         low, high = str(uuid.UUID(int=1)), str(uuid.UUID(int=2))
-        first = OutboxRow(low, "t", "s", "a", TIME, "{}", T0, 0)
-        second = OutboxRow(high, "t", "s", "a", TIME, "{}", T0, 0)
-        assert held_behind_blockers([second], {"a": first.order_key}) == {high}
+        first = OutboxRow(high, "t", "s", "a", TIME, "{}", T0, 7, 0)
+        second = OutboxRow(low, "t", "s", "a", TIME, "{}", T0, 8, 0)
+        assert held_behind_blockers([second], {"a": first.order_key}) == {low}
         assert held_behind_blockers([first], {"a": second.order_key}) == set()
+        assert [r.id for r in SubjectQueues([second, first]).next_wave()] == [high]
 
     def test_ids_as_text_order_as_postgres_orders_uuids(self):
         # Postgres compares uuids byte by byte; the relay compares their text.
@@ -190,9 +194,9 @@ class TestOrdering:
 
     def test_earliest_blocker_per_subject_leaves_out_our_own_batches(self):
         ours, theirs, later = str(uuid.UUID(int=1)), str(uuid.UUID(int=2)), str(uuid.UUID(int=3))
-        found = [("a", (T0 + 3, later)), ("a", (T0 + 1, ours)), ("a", (T0 + 2, theirs))]
-        assert earliest_blockers(found) == {"a": (T0 + 1, ours)}
-        assert earliest_blockers(found, {ours}) == {"a": (T0 + 2, theirs)}
+        found = [("a", (T0 + 3, 3, later)), ("a", (T0 + 1, 1, ours)), ("a", (T0 + 2, 2, theirs))]
+        assert earliest_blockers(found) == {"a": (T0 + 1, 1, ours)}
+        assert earliest_blockers(found, {ours}) == {"a": (T0 + 2, 2, theirs)}
         assert earliest_blockers(found, {ours, theirs, later}) == {}
 
     def test_a_subject_is_settled_only_when_none_of_its_rows_may_be_retried(self):

@@ -58,7 +58,7 @@ class Table:
             self.claims.append((trio.current_time(), taken))
             await trio.sleep(BATCH_TIME)
             rows = [
-                OutboxRow(str(uuid.uuid4()), "a.b", "s", f"subject-{i}", "t", "{}", 0.0, 0)
+                OutboxRow(str(uuid.uuid4()), "a.b", "s", f"subject-{i}", "t", "{}", 0.0, i, 0)
                 for i in range(taken)
             ]
             if self.broker_down and rows:
