@@ -16,7 +16,7 @@ from relay.bench import measure
 from relay.bench.harness import RelayProcess, Target, dumps, wait_until_ready
 from relay.bench.stats import Figure, percentile
 from relay.config import Config
-from relay.database import connection_string, install
+from relay.database import connection_string, install, uninstall
 from relay.localservers import throwaway_nats, throwaway_postgres
 from relay.sqlfiles import Names
 
@@ -30,6 +30,10 @@ class Plan:
     floor_rows: int = 50_000
     latency_seconds: float = 5.0
     drain_rows: int = 100_000
+    # Rows at the cap ahead of the dead-rows shape's backlog (an incident's leftovers).
+    dead_ahead_rows: int = 20_000
+    # Relays sharing the table in the replicas shape.
+    replicas: int = 3
     memory_rows: int = 1_000_000
     plain_drain_rows: int = 10_000
     cost_seconds: float = 5.0
@@ -38,7 +42,19 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(1, 30, 2_000, 1.0, 3_000, 5_000, 500, 1.0, 1.0)
+        return cls(
+            repetitions=1,
+            floor_samples=30,
+            floor_rows=2_000,
+            latency_seconds=1.0,
+            drain_rows=3_000,
+            dead_ahead_rows=600,
+            replicas=3,
+            memory_rows=5_000,
+            plain_drain_rows=500,
+            cost_seconds=1.0,
+            frozen_keepalive=1.0,
+        )
 
 
 @dataclass
@@ -110,6 +126,95 @@ async def _latency(
         f"{label}: commit to consumer at {rate:g}/s, max",
         "ms",
         worst,
+    )
+
+
+async def _drains(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
+    """The same backlog in each shape, the shapes interleaved in every repetition so
+    each ratio compares runs minutes apart at most (this machine's speed drifts)."""
+    rows = plan.drain_rows
+    shapes = {
+        "drain_rate": (
+            f"relay: drain {rows:,} rows, a transaction each",
+            measure.Shape(),
+        ),
+        "drain_bulk_rate": (
+            f"relay: drain {rows:,} rows of one transaction",
+            measure.Shape(one_transaction=True),
+        ),
+        "drain_dead_ahead_rate": (
+            f"relay: drain {rows:,} rows behind {plan.dead_ahead_rows:,} dead",
+            measure.Shape(dead_ahead=plan.dead_ahead_rows),
+        ),
+        "drain_replicas_rate": (
+            f"{plan.replicas} relays: drain {rows:,} rows",
+            measure.Shape(replicas=plan.replicas),
+        ),
+    }
+    results: dict[str, list[float]] = {key: [] for key in shapes}
+    for rep in range(plan.repetitions):
+        for key, (name, shape) in shapes.items():
+            with progress.step(f"{name} ({rep + 1}/{plan.repetitions})"):
+                await target.reset()
+                results[key].append(await measure.drain_rate(target, rows, shape=shape))
+    for key, (name, _) in shapes.items():
+        report.add(key, name, "rows/s", results[key])
+    for key, what in (
+        ("drain_bulk", "one transaction"),
+        ("drain_dead_ahead", "dead rows ahead"),
+        ("drain_replicas", f"{plan.replicas} relays"),
+    ):
+        report.add(
+            f"{key}_ratio",
+            f"drain ratio, {what} / a transaction each",
+            "ratio",
+            [
+                shaped / plain
+                for shaped, plain in zip(results[f"{key}_rate"], results["drain_rate"], strict=True)
+            ],
+        )
+
+
+async def _index_cost(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
+    """What producers pay for the relay's columns and indexes, without its trigger:
+    the contract's table alone (everything of the relay's uninstalled) against the
+    relay's install with its trigger dropped. No relay runs, so neither side shares
+    the CPU with one."""
+    names = Names.for_config(Config())
+    conninfo = connection_string(target.url)
+    results: dict[str, list[float]] = {"contract": [], "relay": []}
+    for rep in range(plan.repetitions):
+        for arm in ("contract", "relay"):
+            with progress.step(
+                f"producer commits/s, {arm} table, no trigger ({rep + 1}/{plan.repetitions})"
+            ):
+                await target.execute("truncate outbox_events")
+                if arm == "contract":
+                    await asyncio.to_thread(uninstall, conninfo, names)
+                else:
+                    await asyncio.to_thread(install, conninfo, names)
+                    await target.execute(
+                        "drop trigger if exists outbox_events_relay_notify on outbox_events"
+                    )
+                results[arm].append(await measure.producer_commits(target, plan.cost_seconds))
+    await asyncio.to_thread(install, conninfo, names)
+    report.add(
+        "commits_contract_table",
+        "producers, 8 writers, the contract's table alone",
+        "commits/s",
+        results["contract"],
+    )
+    report.add(
+        "commits_relay_indexes",
+        "producers, 8 writers, relay's columns and indexes",
+        "commits/s",
+        results["relay"],
+    )
+    report.add(
+        "producer_index_ratio",
+        "producer cost ratio, relay's columns and indexes / none",
+        "ratio",
+        [r / c for r, c in zip(results["relay"], results["contract"], strict=True)],
     )
 
 
@@ -241,7 +346,7 @@ async def _frozen_relay(plan: Plan, progress: Progress, report: Report, target: 
 
 async def run_all(target: Target, plan: Plan) -> Report:
     report = Report()
-    progress = Progress(total=plan.repetitions * 18 + 2)
+    progress = Progress(total=plan.repetitions * 23 + 2)
 
     for key, name, what, measurement in (
         ("wake_floor", "floor: LISTEN wake-up, commit to listener", "LISTEN wake-up floor",
@@ -285,27 +390,24 @@ async def run_all(target: Target, plan: Plan) -> Report:
     )
     for rate in (100.0, 1000.0):
         await _latency(plan, progress, report, target, rate=rate, plain=False)
-    report.add(
-        "drain_rate",
-        f"relay: drain a {plan.drain_rows:,}-row backlog",
-        "rows/s",
-        await _repeat(
-            plan,
-            progress,
-            "relay drain",
-            lambda: measure.drain_rate(target, plan.drain_rows),
-            target,
-        ),
-    )
-    with progress.step(f"relay peak memory draining {plan.memory_rows:,} rows"):
+    await _drains(plan, progress, report, target)
+    with progress.step(f"relay draining {plan.memory_rows:,} rows of one transaction"):
         await target.reset()
+        peak, rate = await measure.drain_memory(target, plan.memory_rows)
         report.add(
             "drain_memory",
-            f"relay: peak RSS draining {plan.memory_rows:,} rows",
+            f"relay: peak RSS draining {plan.memory_rows:,} rows of one transaction",
             "MiB",
-            [await measure.drain_memory(target, plan.memory_rows)],
+            [peak],
+        )
+        report.add(
+            "drain_million_rate",
+            f"relay: drain {plan.memory_rows:,} rows of one transaction",
+            "rows/s",
+            [rate],
         )
     await _producer_cost(plan, progress, report, target)
+    await _index_cost(plan, progress, report, target)
     await _frozen_relay(plan, progress, report, target)
     report.add(
         "plain_drain_rate",
@@ -369,6 +471,25 @@ def verdicts(report: Report) -> list[Verdict]:
             0.85,
             report.get("frozen_ratio_after") >= 0.85
             and report.get("frozen_recovered_after") <= FROZEN_RECOVERY_LIMIT,
+        ),
+        *(
+            (
+                f"{what} drains >= 0.8 x a transaction each",
+                report.get(f"{key}_ratio"),
+                0.8,
+                report.get(f"{key}_ratio") >= 0.8,
+            )
+            for key, what in (
+                ("drain_bulk", "one transaction"),
+                ("drain_dead_ahead", "behind dead rows"),
+                ("drain_replicas", "several relays"),
+            )
+        ),
+        (
+            "producer ratio >= 0.9 with the relay's columns and indexes",
+            report.get("producer_index_ratio"),
+            0.9,
+            report.get("producer_index_ratio") >= 0.9,
         ),
         (
             "peak memory draining < 150 MiB",

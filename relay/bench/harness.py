@@ -105,30 +105,50 @@ class Target:
             await c.execute(statement, params)
 
     async def wait_until_drained(self, interval: float) -> None:
-        """Until no row is unpublished, asking every ``interval`` seconds on one
-        connection (a connection per look would compete with what is measured)."""
+        """Until no row is left to publish (dead rows never will be), asking every
+        ``interval`` seconds on one connection (a connection per look would compete
+        with what is measured)."""
         async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
             while True:
                 cur = await c.execute(
-                    "select exists (select 1 from outbox_events where published_at is null)"
+                    "select exists (select 1 from outbox_events"
+                    " where coalesce(published_at, relay_dead_at) is null)"
                 )
                 row = await cur.fetchone()
                 if not (row and row[0]):
                     return
                 await asyncio.sleep(interval)
 
-    async def fill(self, rows: int, subjects: int = 1000) -> None:
-        """A backlog of ``rows`` committed rows, inserted without notifying anyone."""
-        async with await psycopg.AsyncConnection.connect(self.url, autocommit=True) as c:
+    async def fill(self, rows: int, subjects: int = 1000, *, one_transaction: bool = False) -> None:
+        """A backlog of ``rows`` committed rows, inserted without notifying anyone:
+        each with its own created_at (as many small transactions leave them), or all
+        written by one transaction and so sharing one (a backfill, a bulk import)."""
+        created_at = "now()" if one_transaction else "clock_timestamp()"
+        async with await psycopg.AsyncConnection.connect(self.url) as c:
             for start in range(0, rows, 100_000):
                 count = min(100_000, rows - start)
                 await c.execute(
                     "insert into outbox_events (id, event_type, source, subject, time, data, "
                     "created_at) select gen_random_uuid(), %s, 'bench', 's' || (g %% %s::int), "
                     "now(), jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
-                    "clock_timestamp() from generate_series(%s::int, %s::int) g",
+                    f"{created_at} from generate_series(%s::int, %s::int) g",
                     (self.event_type, subjects, start, start + count - 1),
                 )
+                if not one_transaction:
+                    await c.commit()
+            await c.commit()
+
+    async def add_dead(self, rows: int, attempts: int) -> None:
+        """``rows`` rows older than any backlog and at the attempt cap, as an incident
+        leaves them (the relay that starts next marks them dead)."""
+        await self.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, "
+            "created_at, attempts, relay_last_error) select gen_random_uuid(), %s, 'bench', "
+            "'s' || (g %% 1000), now(), jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
+            "clock_timestamp() - interval '1 day', %s, 'timeout: an incident' "
+            "from generate_series(1, %s::int) g",
+            (self.event_type, attempts, rows),
+        )
 
 
 class Consumer:

@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import nats
@@ -22,6 +23,7 @@ from relay.bench.harness import (
     produce_at_rate,
     wait_until_ready,
 )
+from relay.config import Config
 from relay.localservers import postgres_binary
 
 
@@ -129,34 +131,54 @@ async def end_to_end(
     return [consumer.arrived[event_id] - at for event_id, at in committed.items()]
 
 
-async def drain_rate(target: Target, rows: int, *, plain: bool = False) -> float:
+@dataclass(frozen=True)
+class Shape:
+    """What a backlog looks like when it lands, and who drains it."""
+
+    one_transaction: bool = False  # every row written by one transaction
+    dead_ahead: int = 0  # rows at the cap, older than the backlog
+    replicas: int = 1  # relays sharing the table
+
+
+async def drain_rate(
+    target: Target, rows: int, *, plain: bool = False, shape: Shape = Shape()
+) -> float:
     """Rows/s to publish a backlog of ``rows`` committed rows."""
-    async with _publisher(target, plain):
-        # The relay (or poller) is running and idle; the backlog lands at once.
-        await target.fill(rows)
+    if shape.dead_ahead:
+        # Before the relays start: the incident is over, the relays were restarted.
+        await target.add_dead(shape.dead_ahead, Config().max_attempts)
+    async with _publisher(target, plain, shape.replicas):
+        # The relays (or poller) are running and idle; the backlog lands at once.
+        await target.fill(rows, one_transaction=shape.one_transaction)
         started = time.perf_counter()
         await target.execute("select pg_notify('outbox_events', '')")
         await target.wait_until_drained(0.05)
         return rows / (time.perf_counter() - started)
 
 
-async def drain_memory(target: Target, rows: int) -> float:
-    """The relay's peak resident memory (MiB) while draining a backlog of ``rows``."""
-    await target.fill(rows)
-    async with RelayProcess(target.url, target.nats_url) as relay:
+async def drain_memory(target: Target, rows: int) -> tuple[float, float]:
+    """The relay's peak resident memory (MiB) while draining a backlog of ``rows``
+    written by one transaction, and the rows/s it drained them at."""
+    async with _publisher(target, False) as publishing:
+        await target.fill(rows, one_transaction=True)
+        started = time.perf_counter()
+        await target.execute("select pg_notify('outbox_events', '')")
         await target.wait_until_drained(0.2)
-        return relay.peak_rss_mb()
+        rate = rows / (time.perf_counter() - started)
+        return publishing.peak_rss_mb(), rate
 
 
-def _publisher(target: Target, plain: bool) -> _Publishing:
-    return _Publishing(target, plain)
+def _publisher(target: Target, plain: bool, replicas: int = 1) -> _Publishing:
+    return _Publishing(target, plain, replicas)
 
 
 class _Publishing:
-    def __init__(self, target: Target, plain: bool) -> None:
+    def __init__(self, target: Target, plain: bool, replicas: int) -> None:
         self._target = target
         self._plain = plain
-        self._relay: RelayProcess | None = None
+        self._relays = [
+            RelayProcess(target.url, target.nats_url) for _ in range(0 if plain else replicas)
+        ]
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -165,18 +187,20 @@ class _Publishing:
             self._task = asyncio.create_task(
                 plain_poller(self._target.url, self._target.nats_url, self._stop)
             )
-        else:
-            self._relay = RelayProcess(self._target.url, self._target.nats_url)
-            await self._relay.__aenter__()
+        for relay in self._relays:
+            await relay.__aenter__()
         await wait_until_ready(self._target)
         return self
+
+    def peak_rss_mb(self) -> float:
+        return max(relay.peak_rss_mb() for relay in self._relays)
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
             self._stop.set()
             await self._task
-        if self._relay is not None:
-            await self._relay.__aexit__(*exc)
+        for relay in self._relays:
+            await relay.__aexit__(*exc)
 
 
 _TPS = re.compile(r"tps = ([0-9.]+) \(without initial connection time\)")

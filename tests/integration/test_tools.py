@@ -25,7 +25,10 @@ FIGURES = {
     "wake_floor", "wake_row_floor", "publish_floor", "claim_mark_rate", "publish_rate",
     "relay_latency_100_p50", "relay_latency_100_p99", "relay_latency_100_max",
     "relay_latency_1000_p50", "relay_latency_1000_p99", "relay_latency_1000_max",
-    "drain_rate", "drain_memory", "commits_no_trigger", "commits_relay_trigger",
+    "drain_rate", "drain_bulk_rate", "drain_dead_ahead_rate", "drain_replicas_rate",
+    "drain_bulk_ratio", "drain_dead_ahead_ratio", "drain_replicas_ratio",
+    "drain_memory", "drain_million_rate", "commits_contract_table", "commits_relay_indexes",
+    "producer_index_ratio", "commits_no_trigger", "commits_relay_trigger",
     "commits_plain_trigger", "producer_cost_ratio", "plain_trigger_ratio",
     "plain_drain_rate", "plain_latency_100_p50", "plain_latency_100_p99",
     "plain_latency_100_max", "frozen_session_ended", "frozen_ratio_held",
@@ -47,7 +50,7 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
     for figure in document["figures"].values():
         assert figure["min"] <= figure["median"] <= figure["max"]
         assert figure["median"] > 0, figure
-    assert len(document["targets"]) == 7
+    assert len(document["targets"]) == 11
     assert "targets:" in result.stdout
     assert "done in" in result.stderr  # the progress line finished
 
