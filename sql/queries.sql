@@ -6,8 +6,8 @@
 
 -- name: claim
 -- Claim the next batch in order: (created_at, relay_seq), the claim index's order,
--- so the walk reads the batch and stops, however many rows share a created_at and
--- however many dead rows there are (they are not in that index). The claim index's
+-- so each walk reads at most two batches' worth and stops, however many rows share
+-- a created_at and however many dead rows there are (they are not in that index). The claim index's
 -- predicate is "coalesce(published_at, relay_dead_at) is null", and the scans say
 -- it in those words: the planner then cannot walk the contract's index (on
 -- created_at alone, with dead rows in it) instead, which fresh statistics of one
@@ -29,7 +29,30 @@
 -- taken by a concurrent claim. Claimed rows behind the earliest of their subject
 -- must wait (the relay picks that one: a DISTINCT ON here would need a sort). A
 -- plain read sees rows other relays have locked without waiting for them.
-with claimed as materialized (
+with horizon as materialized (
+  -- How far the claim looks: the 2 x batch_size-th claimable row, counting the rows
+  -- other relays hold (a plain read does not skip them). Beside other relays, a claim
+  -- that walked on past their batches would take rows of the subjects they hold,
+  -- only to let them go again (held behind the gate), and several relays drained a
+  -- backlog slower than one (README, Performance).
+  select h.created_at, h.relay_seq
+    from {table} h
+   where coalesce(h.published_at, h.relay_dead_at) is null
+     and h.attempts < {max_attempts}
+     and (h.relay_retry_at is null or h.relay_retry_at <= now())
+     and not exists (
+           select 1
+             from {table} b
+            where b.subject = h.subject
+              and b.relay_retry_at > now()
+              and b.attempts < {max_attempts}
+              and (b.created_at, b.relay_seq) < (h.created_at, h.relay_seq)
+           offset 0)
+   order by h.created_at, h.relay_seq
+   offset 2 * {batch_size} - 1
+   limit 1
+),
+claimed as materialized (
   select o.id, o.event_type, o.source, o.subject,
          case when o.time >= '0001-01-01 00:00:00+00' and o.time < '10000-01-01 00:00:00+00'
               then to_char(o.time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
@@ -37,6 +60,13 @@ with claimed as materialized (
          o.data::text as data, o.created_at, o.relay_seq, o.attempts
     from {table} o
    where coalesce(o.published_at, o.relay_dead_at) is null
+     -- The horizon as two parameters: an index condition that ends the walk there.
+     and (o.created_at, o.relay_seq)
+         <= (coalesce((select created_at from horizon), 'infinity'),
+             coalesce((select relay_seq from horizon), 9223372036854775807))
+     -- The horizon's filter again, and it must stay the same: a row is locked by
+     -- this scan, and only this scan's conditions are checked again on a row that
+     -- changed (another relay published it) while the statement ran.
      and o.attempts < {max_attempts}
      and (o.relay_retry_at is null or o.relay_retry_at <= now())
      and not exists (

@@ -54,8 +54,9 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     prepared = claim_preparation(names, statement).as_string()
     assert prepared.startswith('prepare "outbox_relay_claim" (integer, integer) as\n')
     assert "%(" not in prepared
-    assert prepared.count("$1") == 1  # batch_size: the limit
-    assert prepared.count("$2") == 4  # max_attempts: the claim, its probe, both walks ahead
+    assert prepared.count("$1") == 2  # batch_size: the horizon's offset, the limit
+    # max_attempts: the horizon and the claim with their probes, both walks ahead
+    assert prepared.count("$2") == 6
     assert '"billing"."Outbox"' in prepared
     assert claim_execution(statement, 500, 20).as_string() == (
         'begin; execute "outbox_relay_claim" (500, 20)'
