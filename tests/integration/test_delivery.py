@@ -24,6 +24,15 @@ from tests.support.stream import TestStream
 pytestmark = pytest.mark.integration
 
 
+def numbers_per_subject(messages: list) -> dict[str, list[int]]:
+    """Each subject's ``data.n`` values in the order the stream stored them."""
+    per_subject: dict[str, list[int]] = {}
+    for message in sorted(messages, key=lambda m: m.seq):
+        envelope = message.envelope
+        per_subject.setdefault(envelope["subject"], []).append(envelope["data"]["n"])
+    return per_subject
+
+
 def delivered(stream: TestStream, count: int, timeout: float = 15.0) -> list:
     def enough() -> list | None:
         messages = stream.read()
@@ -190,10 +199,7 @@ def test_one_transactions_rows_go_out_in_insertion_order(db_url, stream, start_r
     start_relay(batch_size=50)
     messages = delivered(stream, count, timeout=60)
     assert sorted(m.msg_id for m in messages) == sorted(str(e.id) for e in events)
-    per_subject: dict[str, list[int]] = {}
-    for message in sorted(messages, key=lambda m: m.seq):
-        envelope = message.envelope
-        per_subject.setdefault(envelope["subject"], []).append(envelope["data"]["n"])
+    per_subject = numbers_per_subject(messages)
     assert len(per_subject) == 3
     for subject, numbers in per_subject.items():
         assert numbers == sorted(numbers), f"{subject} out of insertion order: {numbers[:20]}"
@@ -209,10 +215,7 @@ def test_batches_in_flight_keep_per_subject_order(db_url, stream, start_relay):
     messages = delivered(stream, 2000, timeout=60)
     wait_until(lambda: database.unpublished_count(db_url) == 0, message="all rows marked")
     assert sorted(m.msg_id for m in messages) == sorted(str(e.id) for e in events)
-    per_subject: dict[str, list[int]] = {}
-    for message in sorted(messages, key=lambda m: m.stored_at):
-        envelope = message.envelope
-        per_subject.setdefault(envelope["subject"], []).append(envelope["data"]["n"])
+    per_subject = numbers_per_subject(messages)
     assert len(per_subject) == 5
     for subject, numbers in per_subject.items():
         assert numbers == sorted(numbers), f"{subject} out of order: {numbers}"
