@@ -17,10 +17,10 @@ import trio
 from relay import aio
 from relay.backoff import ReconnectBackoff
 from relay.batch import Batch
-from relay.broker import Broker
-from relay.config import Config, redact_url
+from relay.broker import Broker, short_duplicate_windows
+from relay.config import Config, redact_url, show_duration
 from relay.database import Database
-from relay.errors import ConfigError, DatabaseUnavailable, SetupError
+from relay.errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SetupError
 from relay.failpoints import Failpoints
 from relay.gauges import run_gauges
 from relay.health import Health
@@ -132,7 +132,35 @@ class Relay:
                 log.warning("%s; retrying in %.1fs", exc, delay)
                 await trio.sleep(delay)
             else:
+                await self._check_duplicate_windows()
                 return
+
+    async def _check_duplicate_windows(self) -> None:
+        """Warn about streams that forget a message id before a retried row comes back:
+        a row whose ack was lost would be stored twice (consumers still dedupe on id)."""
+        minimum = self.config.backoff_max + self.config.publish_timeout
+        try:
+            windows = await self.broker.duplicate_windows()
+        except BrokerUnavailable as exc:
+            log.warning("could not check the streams' duplicate windows: %s", exc)
+            return
+        short = short_duplicate_windows(windows, minimum)
+        self.metrics.short_duplicate_windows.set(len(short))
+        for name, window in short:
+            log.warning(
+                "stream %s keeps message ids for %s, less than --backoff-max + "
+                "--publish-timeout (%s): a row retried after its ack was lost is stored "
+                "twice; raise the stream's duplicate_window",
+                name,
+                show_duration(window),
+                show_duration(minimum),
+            )
+        log.info(
+            "checked the duplicate windows of %d streams: %d shorter than %s",
+            len(windows),
+            len(short),
+            show_duration(minimum),
+        )
 
     async def _poll(self) -> None:
         while True:

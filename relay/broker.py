@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import nats
@@ -51,6 +51,15 @@ def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, o
     if isinstance(exc, nats.js.errors.APIError):
         return Failed(FailureReason.OTHER, f"JetStream refused the message: {exc}")
     return Failed(FailureReason.OTHER, f"{exc.__class__.__name__}: {exc}")
+
+
+def short_duplicate_windows(
+    windows: Iterable[tuple[str, float]], minimum: float
+) -> list[tuple[str, float]]:
+    """The streams, of (name, duplicate window in seconds), that forget a message id
+    before ``minimum`` seconds: a row whose ack was lost and that is retried after
+    that long is stored again, under the same id."""
+    return sorted((name, window) for name, window in windows if window < minimum)
 
 
 _PLAIN_ACK = b'{"stream":'
@@ -220,6 +229,23 @@ class Broker:
             raise BrokerUnavailable(f"cannot connect to NATS at {servers}: {exc}") from exc
         self._js = self._nc.jetstream()
         self._on_change(True)
+
+    async def duplicate_windows(self) -> list[tuple[str, float]]:
+        """Every stream this connection can see, with its duplicate window in seconds."""
+        js = self._js
+        if js is None:
+            raise BrokerUnavailable("not connected to NATS")
+
+        async def read() -> list[tuple[str, float]]:
+            found: list[tuple[str, float]] = []
+            while page := await js.streams_info(offset=len(found)):  # pages of 256
+                found += [(i.config.name or "?", i.config.duplicate_window or 0.0) for i in page]
+            return found
+
+        try:
+            return await aio.call(read)
+        except Exception as exc:
+            raise BrokerUnavailable(f"cannot list the JetStream streams: {exc}") from exc
 
     async def close(self) -> None:
         if self._nc is not None:

@@ -177,7 +177,7 @@ class Option:
         return ENV_PREFIX + self.name.upper()
 
 
-def _show_duration(seconds: float) -> str:
+def show_duration(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size and seconds % size == 0:
             return f"{int(seconds // size)}{unit}"
@@ -194,30 +194,30 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "poll_interval",
         _positive_duration,
         "fallback poll when no notification comes",
-        _show_duration,
+        show_duration,
     ),
     Option(
         "publish_timeout",
         _positive_duration,
         "longest a batch may wait for broker acks (bounds how long row locks are held)",
-        _show_duration,
+        show_duration,
     ),
     Option("max_attempts", _positive_int, "failed publishes before a row is left alone (dead)"),
     Option(
-        "backoff_base", _positive_duration, "first retry delay; doubles per attempt", _show_duration
+        "backoff_base", _positive_duration, "first retry delay; doubles per attempt", show_duration
     ),
-    Option("backoff_max", _positive_duration, "longest retry delay", _show_duration),
-    Option("retention", _positive_duration, "how long published rows are kept", _show_duration),
-    Option("retention_interval", _positive_duration, "how often retention runs", _show_duration),
+    Option("backoff_max", _positive_duration, "longest retry delay", show_duration),
+    Option("retention", _positive_duration, "how long published rows are kept", show_duration),
+    Option("retention_interval", _positive_duration, "how often retention runs", show_duration),
     Option("retention_batch_size", _positive_int, "rows deleted per retention statement"),
     Option(
         "listen_keepalive",
         _positive_duration,
         "quiet time after which the LISTEN connection is probed",
-        _show_duration,
+        show_duration,
     ),
     Option(
-        "gauge_interval", _positive_duration, "how often table-wide gauges are read", _show_duration
+        "gauge_interval", _positive_duration, "how often table-wide gauges are read", show_duration
     ),
     Option("metrics_host", str, "address the metrics and health server binds"),
     Option("metrics_port", _port, "port of /metrics, /healthz and /readyz (0 disables)"),

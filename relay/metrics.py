@@ -183,6 +183,12 @@ class Metrics:
             ["task"],
             registry=r,
         )
+        self.short_duplicate_windows = Gauge(
+            "outbox_relay_streams_short_duplicate_window",
+            "Streams whose duplicate window is shorter than --backoff-max + --publish-timeout "
+            "(read when NATS connects)",
+            registry=r,
+        )
         self.listen_connected = Gauge(
             "outbox_relay_listen_connected", "1 while the LISTEN connection is up", registry=r
         )

@@ -113,6 +113,43 @@ def test_readiness_follows_nats_and_postgres(start_relay):
         wait_until(lambda: stream.read("READY"), message="delivery after both came back")
 
 
+def test_streams_that_forget_ids_before_a_retry_are_named_at_start(start_relay):
+    # A retried row comes back after up to --backoff-max + --publish-timeout (5m5s
+    # at the defaults): a stream that has forgotten its id by then stores it twice.
+    def checked(relay) -> list[str]:
+        """The relay's lines about duplicate windows, once its check has ended."""
+
+        def lines() -> list[str] | None:
+            found = [
+                r["message"]
+                for r in relay.log_records()
+                if "duplicate window" in r["message"] or "keeps message ids" in r["message"]
+            ]
+            return found if any(m.startswith("checked the duplicate") for m in found) else None
+
+        return wait_until(lines, message="the duplicate windows checked")
+
+    with throwaway_nats() as nats:
+        stream = TestStream(nats.url, duplicate_window=1200.0)
+        stream.create("SHORTWINDOW", ["short.>"])  # the server's default: 2 minutes
+        relay = start_relay(nats_url=nats.url)
+        lines = checked(relay)
+        assert "checked the duplicate windows of 2 streams: 1 shorter than 305s" in lines
+        assert any(
+            line.startswith(
+                "stream SHORTWINDOW keeps message ids for 2m, less than --backoff-max + "
+                "--publish-timeout (305s)"
+            )
+            for line in lines
+        ), lines
+        assert not any(stream.name in line for line in lines), lines
+        assert relay.metric("outbox_relay_streams_short_duplicate_window") == 1
+        relay.stop()
+        calm = start_relay(nats_url=nats.url, backoff_max="60s")
+        assert checked(calm) == ["checked the duplicate windows of 2 streams: 0 shorter than 65s"]
+        assert calm.metric("outbox_relay_streams_short_duplicate_window") == 0
+
+
 @pytest.fixture
 def stuck_rows(db_url):
     """Two dead rows of one type, one of another, one backing off, one published."""

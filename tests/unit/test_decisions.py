@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from relay.backoff import ReconnectBackoff, row_retry_delay
+from relay.broker import short_duplicate_windows
 from relay.envelope import MSG_ID_HEADER, build_message
 from relay.marks import broker_outage, decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
@@ -118,6 +119,13 @@ def test_rejection_reasons():
     assert rejection("a b", 10, 100)[0] is FailureReason.INVALID_SUBJECT
     assert rejection("a.b", 101, 100)[0] is FailureReason.TOO_LARGE
     assert rejection("a.b", 100, 100) is None
+
+
+class TestDuplicateWindows:
+    def test_streams_that_forget_ids_before_a_retry_are_named_in_order(self):
+        windows = [("ORDERS", 120.0), ("BILLING", 1200.0), ("AUDIT", 304.999), ("ALL", 305.0)]
+        assert short_duplicate_windows(windows, 305.0) == [("AUDIT", 304.999), ("ORDERS", 120.0)]
+        assert short_duplicate_windows([], 305.0) == []
 
 
 class TestEnvelope:
