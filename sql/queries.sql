@@ -7,11 +7,11 @@
 -- name: claim
 -- Claim the next batch in order: (created_at, relay_seq), the claim index's order,
 -- so each walk reads at most two batches' worth and stops, however many rows share
--- a created_at and however many dead rows there are (they are not in that index). The claim index's
--- predicate is "coalesce(published_at, relay_dead_at) is null", and the scans say
--- it in those words: the planner then cannot walk the contract's index (on
--- created_at alone, with dead rows in it) instead, which fresh statistics of one
--- big transaction or of many dead rows made it do.
+-- a created_at and however many dead rows there are (they are not in that index).
+-- The claim index's predicate is "coalesce(published_at, relay_dead_at) is null",
+-- and the scans say it in those words: the planner then cannot walk the contract's
+-- index (on created_at alone, with dead rows in it) instead, which fresh
+-- statistics of one big transaction or of many dead rows made it do.
 --
 -- Rows another relay holds are skipped, not waited on. A row waiting out its
 -- backoff is not claimed, and neither is any later row of its subject (per-subject
