@@ -15,10 +15,7 @@ from pathlib import Path
 from relay.bench import measure
 from relay.bench.harness import RelayProcess, Target, dumps, wait_until_ready
 from relay.bench.stats import Figure, percentile
-from relay.config import Config
-from relay.database import connection_string, install, uninstall
 from relay.localservers import throwaway_nats, throwaway_postgres
-from relay.sqlfiles import Names
 
 
 @dataclass(frozen=True)
@@ -180,8 +177,6 @@ async def _index_cost(plan: Plan, progress: Progress, report: Report, target: Ta
     the contract's table alone (everything of the relay's uninstalled) against the
     relay's install with its trigger dropped. No relay runs, so neither side shares
     the CPU with one."""
-    names = Names.for_config(Config())
-    conninfo = connection_string(target.url)
     results: dict[str, list[float]] = {"contract": [], "relay": []}
     for rep in range(plan.repetitions):
         for arm in ("contract", "relay"):
@@ -190,14 +185,12 @@ async def _index_cost(plan: Plan, progress: Progress, report: Report, target: Ta
             ):
                 await target.execute("truncate outbox_events")
                 if arm == "contract":
-                    await asyncio.to_thread(uninstall, conninfo, names)
+                    await target.uninstall()
                 else:
-                    await asyncio.to_thread(install, conninfo, names)
-                    await target.execute(
-                        "drop trigger if exists outbox_events_relay_notify on outbox_events"
-                    )
+                    await target.install()
+                    await target.drop_notify_trigger()
                 results[arm].append(await measure.producer_commits(target, plan.cost_seconds))
-    await asyncio.to_thread(install, conninfo, names)
+    await target.install()
     report.add(
         "commits_contract_table",
         "producers, 8 writers, the contract's table alone",
@@ -219,8 +212,6 @@ async def _index_cost(plan: Plan, progress: Progress, report: Report, target: Ta
 
 
 async def _producer_cost(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
-    names = Names.for_config(Config())
-    conninfo = connection_string(target.url)
     results: dict[str, list[float]] = {"none": [], "relay": [], "plain": []}
     async with RelayProcess(target.url, target.nats_url):
         await wait_until_ready(target)
@@ -229,20 +220,17 @@ async def _producer_cost(plan: Plan, progress: Progress, report: Report, target:
                 with progress.step(
                     f"producer commits/s, {trigger} trigger ({rep + 1}/{plan.repetitions})"
                 ):
-                    await target.execute(
-                        "drop trigger if exists outbox_events_relay_notify on outbox_events"
-                    )
+                    await target.drop_notify_trigger()
                     if trigger == "relay":
-                        await asyncio.to_thread(install, conninfo, names)
+                        await target.install()
                     elif trigger == "plain":
                         await target.execute(measure.PLAIN_NOTIFY_TRIGGER)
                     results[trigger].append(
                         await measure.producer_commits(target, plan.cost_seconds)
                     )
-    # Leave the relay's trigger in place. The plain one has the same name, and install
-    # keeps a trigger it finds by name: it must go first.
-    await target.execute("drop trigger if exists outbox_events_relay_notify on outbox_events")
-    await asyncio.to_thread(install, conninfo, names)
+    # Leave the relay's trigger in place (the plain one must go first).
+    await target.drop_notify_trigger()
+    await target.install()
     report.add(
         "commits_no_trigger", "producers, 8 writers, no trigger", "commits/s", results["none"]
     )
@@ -287,7 +275,6 @@ async def _frozen_relay(plan: Plan, progress: Progress, report: Report, target: 
     they pay while its session lives, how soon the server ends it, and what they
     pay after; each against producers with no trigger at all beside the same frozen
     relay (a live relay's draining would compete with them for the CPU)."""
-    names = Names.for_config(Config())
     relay = RelayProcess(
         target.url,
         target.nats_url,
@@ -311,11 +298,9 @@ async def _frozen_relay(plan: Plan, progress: Progress, report: Report, target: 
                 ended_after = time.perf_counter() - frozen_at
                 after = await measure.producer_commits(target, plan.cost_seconds)
                 recovered_after = time.perf_counter() - frozen_at
-                await target.execute(
-                    "drop trigger if exists outbox_events_relay_notify on outbox_events"
-                )
+                await target.drop_notify_trigger()
                 none = await measure.producer_commits(target, plan.cost_seconds)
-                await asyncio.to_thread(install, connection_string(target.url), names)
+                await target.install()
             finally:
                 relay.process.send_signal(signal.SIGCONT)
     report.add(

@@ -22,7 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from relay.config import Config
-from relay.database import connection_string, install
+from relay.database import connection_string, install, uninstall
 from relay.sqlfiles import Names
 
 INSERT = (
@@ -67,12 +67,25 @@ class Target:
     async def create(self) -> None:
         async with await psycopg.AsyncConnection.connect(self.server_url, autocommit=True) as c:
             await c.execute(f'create database "{self.database}"')
-        await asyncio.to_thread(install, connection_string(self.url), Names.for_config(Config()))
+        await self.install()
         nc = await nats.connect(self.nats_url)
         try:
             await nc.jetstream().add_stream(name=self.stream, subjects=[f"{self.prefix}.>"])
         finally:
             await nc.close()
+
+    async def install(self) -> None:
+        """`outbox-relay install` on the database (the relay's trigger included)."""
+        await asyncio.to_thread(install, connection_string(self.url), Names.for_config(Config()))
+
+    async def uninstall(self) -> None:
+        """`outbox-relay uninstall`: the contract's table alone is left."""
+        await asyncio.to_thread(uninstall, connection_string(self.url), Names.for_config(Config()))
+
+    async def drop_notify_trigger(self) -> None:
+        """The relay's insert trigger (or the plain one of the same name) gone; install
+        keeps a trigger it finds by name, so a plain one must go before it runs."""
+        await self.execute("drop trigger if exists outbox_events_relay_notify on outbox_events")
 
     async def drop(self) -> None:
         with contextlib.suppress(Exception):
