@@ -186,7 +186,7 @@ class Metrics:
         self.short_duplicate_windows = Gauge(
             "outbox_relay_streams_short_duplicate_window",
             "Streams whose duplicate window is shorter than --backoff-max + --publish-timeout "
-            "(read when NATS connects)",
+            "(read when the relay first connects to NATS)",
             registry=r,
         )
         self.listen_connected = Gauge(
