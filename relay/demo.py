@@ -56,6 +56,9 @@ create table if not exists demo_processed_events (
 """
 
 
+DELIVER_THE_REST_TIMEOUT = 60.0  # seconds, after the producer stopped
+
+
 @dataclass(frozen=True)
 class DemoNames:
     """Everything the demo creates is named after one token, so that it can run
@@ -141,16 +144,23 @@ async def handle(conn: psycopg.AsyncConnection[Any], envelope: Mapping[str, Any]
 
 class Stats:
     def __init__(self) -> None:
+        self.produced = 0
         self.consumed = 0
+        self.caught_up = asyncio.Event()  # set while every produced order is consumed
+        self.caught_up.set()
         self.duplicates = 0
         self.latencies: list[float] = []
 
 
-async def produce(url: str, names: DemoNames, stop: asyncio.Event, rate: float) -> None:
+async def produce(
+    url: str, names: DemoNames, stop: asyncio.Event, rate: float, stats: Stats
+) -> None:
     customers = ["ada", "grace", "edsger", "barbara", "ken", "leslie"]
     async with await psycopg.AsyncConnection.connect(url) as conn:
         while not stop.is_set():
             await place_order(conn, random.choice(customers), names.event_type)
+            stats.produced += 1
+            stats.caught_up.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), random.expovariate(rate))
 
@@ -173,6 +183,8 @@ async def consume(
                     sent = datetime.fromisoformat(envelope["time"].replace("Z", "+00:00"))
                     stats.latencies.append((datetime.now(UTC) - sent).total_seconds())
                     stats.consumed += 1
+                    if stats.consumed >= stats.produced:
+                        stats.caught_up.set()
                 else:
                     stats.duplicates += 1
                 # Ack after the commit: a crash in between redelivers, and handle()
@@ -203,6 +215,19 @@ async def report(url: str, stop: asyncio.Event, stats: Stats) -> None:
             sys.stdout.flush()
 
 
+async def deliver_the_rest(stats: Stats, relay: asyncio.subprocess.Process) -> None:
+    """Returns, once the producer stopped, when the consumer has every order that
+    was committed or the relay exited, so a timed run ends with its orders shipped
+    rather than with whatever was in flight when the clock ran out."""
+    caught_up = asyncio.create_task(stats.caught_up.wait())
+    relay_exited = asyncio.create_task(relay.wait())
+    try:
+        await asyncio.wait([caught_up, relay_exited], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        caught_up.cancel()
+        relay_exited.cancel()
+
+
 async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float | None) -> None:
     names = DemoNames.new()
     config = Config(
@@ -214,7 +239,8 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
         await conn.execute(sql.SQL("create schema {}").format(sql.Identifier(names.schema)))
     nc: NatsClient | None = None
     relay: asyncio.subprocess.Process | None = None
-    stop, stats = asyncio.Event(), Stats()
+    stop_producing, stop, stats = asyncio.Event(), asyncio.Event(), Stats()
+    producer: asyncio.Task[None] | None = None
     tasks: list[asyncio.Task[None]] = []
     try:
         await asyncio.to_thread(install, conninfo, Names.for_config(config))
@@ -238,8 +264,9 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
             f"on the demo's own table {'.'.join(names.table)} and stream {names.stream}"
         )
         print("producing orders; press Ctrl-C to stop\n")
+        producer = asyncio.create_task(produce(demo_conninfo, names, stop_producing, rate, stats))
         tasks = [
-            asyncio.create_task(produce(demo_conninfo, names, stop, rate)),
+            producer,
             asyncio.create_task(consume(demo_conninfo, names, js, stop, stats)),
             asyncio.create_task(report(demo_conninfo, stop, stats)),
         ]
@@ -248,7 +275,15 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, finished.set)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(finished.wait(), seconds)
+        # The producer stops first; the relay and the consumer then finish what
+        # was committed (a relay that started slowly still gets its orders out).
+        stop_producing.set()
+        await producer
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(DELIVER_THE_REST_TIMEOUT):
+                await deliver_the_rest(stats, relay)
     finally:
+        stop_producing.set()
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         if relay is not None:
@@ -263,7 +298,7 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
             await conn.execute(
                 sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(names.schema))
             )
-    print(f"\n\nstopped: {stats.consumed} orders shipped exactly once, "
+    print(f"\n\nstopped: {stats.consumed} of {stats.produced} orders shipped exactly once, "
           f"{stats.duplicates} duplicate deliveries ignored")  # fmt: skip
 
 

@@ -70,9 +70,11 @@ def test_demo_beside_a_real_outbox_touches_nothing_of_it(db_url, stream):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "events/s" in result.stdout
-    shipped = re.search(r"stopped: (\d+) orders shipped exactly once", result.stdout)
-    assert shipped, result.stdout
-    assert int(shipped.group(1)) > 50
+    shipped = re.search(r"stopped: (\d+) of (\d+) orders shipped exactly once", result.stdout)
+    assert shipped, result.stdout + result.stderr
+    # Every order the demo committed reached its consumer, however slowly its relay started.
+    assert int(shipped.group(2)) > 0, result.stdout + result.stderr
+    assert shipped.group(1) == shipped.group(2), result.stdout + result.stderr
     # Their row: unpublished, never tried, and not in their stream.
     assert database.rows_by_id(db_url) == before
     assert stream.read() == []
