@@ -20,6 +20,7 @@ are marked where they are.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence, Set
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -161,6 +162,7 @@ class Batch:
                 marks = decide_marks(
                     {row.id: row for row in rows},
                     results,
+                    now=time.time(),
                     max_attempts=config.max_attempts,
                     backoff_base=config.backoff_base,
                     backoff_max=config.backoff_max,
@@ -210,14 +212,17 @@ class Batch:
         messages: dict[RowId, Message] = {}
         max_payload = self._broker.max_payload
         sendable: list[OutboxRow] = []
-        for row in rows:
-            if row.time is None:
-                results[row.id] = Failed(*UNWRITABLE_TIME)
-                continue
-            message = build_message(row, row.time)
-            rejected = rejection(row.event_type, message.wire_size, max_payload)
+        stopped: set[str] = set()  # subjects with an earlier row that cannot go now
+        for row in sorted(rows, key=lambda r: r.order_key):
+            if row.subject in stopped:
+                continue  # behind a row rejected here: unsent, left as it is
+            rejected = UNWRITABLE_TIME if row.time is None else None
+            if rejected is None:
+                message = build_message(row, row.time or "")
+                rejected = rejection(row.event_type, message.wire_size, max_payload)
             if rejected is not None:
                 results[row.id] = Failed(*rejected)
+                stopped.add(row.subject)  # it goes dead and holds its subject
             else:
                 messages[row.id] = message
                 sendable.append(row)
@@ -233,8 +238,8 @@ class Batch:
             acks = await self._broker.publish_wave([messages[r.id] for r in wave], remaining)
             for row, result in zip(wave, acks, strict=True):
                 results[row.id] = result
-                if isinstance(result, Failed) and not result.reason.permanent:
+                if isinstance(result, Failed):
                     # Later rows of this subject must not overtake it: they stay
-                    # unsent, and the claim query skips them while it backs off.
+                    # unsent, and the claim skips them while it waits or is dead.
                     queues.stop(row.subject)
         return results

@@ -39,7 +39,7 @@ _DISCONNECTED_ERRORS = (
 def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, one return a row
     """The failure a publish exception stands for."""
     if isinstance(exc, nats.js.errors.NoStreamResponseError):
-        return Failed(FailureReason.NO_STREAM, "no stream captures the subject (no responders)")
+        return NO_RESPONDERS
     if isinstance(exc, nats.errors.MaxPayloadError):
         return Failed(FailureReason.TOO_LARGE, "message exceeds the server's max_payload")
     if isinstance(exc, nats.errors.BadSubjectError):
@@ -49,8 +49,45 @@ def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, o
     if isinstance(exc, asyncio.TimeoutError | nats.errors.TimeoutError):
         return Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
     if isinstance(exc, nats.js.errors.APIError):
-        return Failed(FailureReason.OTHER, f"JetStream refused the message: {exc}")
+        return api_error(exc.code, exc.err_code, exc.description or str(exc))
     return Failed(FailureReason.OTHER, f"{exc.__class__.__name__}: {exc}")
+
+
+NO_RESPONDERS = Failed(
+    FailureReason.NO_RESPONDERS, "no responders: no stream leader answered for the subject"
+)
+NO_STREAM = Failed(FailureReason.NO_STREAM, "no stream captures the subject")
+# How long to wait for JetStream to say which stream captures a subject.
+NO_STREAM_QUESTION_TIMEOUT = 1.0
+
+# JetStream errors (nats-server's errors.json) that say the stream or the cluster
+# cannot store anything right now: storage or account limits reached ("maximum
+# messages exceeded" with discard new is a store failure), a stream offline, a
+# cluster or raft group without a leader, too many requests in flight.
+_BROKER_STATE_ERRORS = frozenset({
+    10002,  # resource limits exceeded for account
+    10008,  # JetStream system temporarily unavailable
+    10009,  # JetStream cluster can not handle request
+    10023,  # insufficient resources
+    10028,  # insufficient memory resources available
+    10041,  # general raft error
+    10047,  # insufficient storage resources available
+    10077,  # storing a message failed (maximum messages, bytes or per subject; disk)
+    10118,  # stream is offline
+    10158,  # duplicate message id is in process (another publish of it in flight)
+    10167,  # too many requests
+    10194,  # stream is offline (with a reason)
+})  # fmt: skip
+
+
+def api_error(code: int | None, err_code: int | None, description: str) -> Failed:
+    """The failure a JetStream API error reply stands for: the broker's when it says
+    the stream cannot store anything now (a 5xx or 429 status, or one of the codes
+    above), otherwise a refusal of this message, counted against the row."""
+    detail = f"JetStream refused the message: {description} (err_code {err_code})"
+    if (code is not None and (code >= 500 or code == 429)) or err_code in _BROKER_STATE_ERRORS:
+        return Failed(FailureReason.STREAM_UNAVAILABLE, detail)
+    return Failed(FailureReason.REFUSED, detail)
 
 
 def short_duplicate_windows(
@@ -69,7 +106,7 @@ _ACKED = Acked(duplicate=False)
 def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind of reply
     """A JetStream reply: a PubAck, an API error, or "no responders"."""
     if msg.headers and msg.headers.get("Status") == "503":
-        return Failed(FailureReason.NO_STREAM, "no stream captures the subject (no responders)")
+        return NO_RESPONDERS
     data = msg.data
     if data.startswith(_PLAIN_ACK) and b'"error"' not in data and b'"duplicate"' not in data:
         return _ACKED  # the common case, {"stream":"X", "seq":N}, without a JSON parse
@@ -80,9 +117,15 @@ def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind
     if not isinstance(reply, dict):
         return Failed(FailureReason.OTHER, f"unexpected JetStream reply: {msg.data[:200]!r}")
     error = reply.get("error")
+    if isinstance(error, dict):
+        code, err_code = error.get("code"), error.get("err_code")
+        return api_error(
+            code if isinstance(code, int) else None,
+            err_code if isinstance(err_code, int) else None,
+            str(error.get("description", error)),
+        )
     if error is not None:
-        description = error.get("description", error) if isinstance(error, dict) else error
-        return Failed(FailureReason.OTHER, f"JetStream refused the message: {description}")
+        return Failed(FailureReason.REFUSED, f"JetStream refused the message: {error}")
     if "stream" not in reply:
         return Failed(FailureReason.OTHER, f"not a PubAck: {msg.data[:200]!r}")
     return Acked(duplicate=bool(reply.get("duplicate", False)))
@@ -283,7 +326,7 @@ class Broker:
         acks.forget(wave)
         if not wave.pending:
             return await self._confirm_no_stream(
-                messages, cast("list[PublishResult]", wave.results)
+                messages, cast("list[PublishResult]", wave.results), deadline
             )
         missing = (
             Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
@@ -291,7 +334,7 @@ class Broker:
             else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
         )
         results = [missing if result is None else result for result in wave.results]
-        return await self._confirm_no_stream(messages, results)
+        return await self._confirm_no_stream(messages, results, deadline)
 
     async def _ack_inbox(self, nc: Client) -> _AckInbox:
         if self._acks is None:
@@ -301,35 +344,41 @@ class Broker:
         return self._acks
 
     async def _confirm_no_stream(
-        self, messages: Sequence[Message], results: list[PublishResult]
+        self, messages: Sequence[Message], results: list[PublishResult], deadline: float
     ) -> list[PublishResult]:
-        """asyncio side. "No responders" also happens for a moment while a stream elects a leader.
-        A row only goes to the cap for it once JetStream confirms that no stream
-        captures the subject; otherwise it is an ordinary, retried failure."""
+        """asyncio side. "No responders" means no stream captures the subject, or one
+        does and has no leader to answer (an election, a cluster without quorum). Both
+        are the broker's; asking JetStream which one tells the operator what to fix
+        (NO_STREAM names a subject to add to a stream). One question per subject,
+        and none once JetStream cannot answer (without a meta leader every question
+        would wait out its timeout)."""
         verdicts: dict[str, bool] = {}
+        answering = True
+        loop = asyncio.get_running_loop()
         confirmed: list[PublishResult] = []
         for message, result in zip(messages, results, strict=True):
-            if isinstance(result, Failed) and result.reason is FailureReason.NO_STREAM:
-                if message.subject not in verdicts:
-                    verdicts[message.subject] = await self._no_stream_for(message.subject)
-                if not verdicts[message.subject]:
-                    confirmed.append(
-                        Failed(
-                            FailureReason.OTHER, "no responders, but a stream captures the subject"
-                        )
-                    )
+            if isinstance(result, Failed) and result.reason is FailureReason.NO_RESPONDERS:
+                subject = message.subject
+                if subject not in verdicts and answering:
+                    budget = min(NO_STREAM_QUESTION_TIMEOUT, deadline - loop.time())
+                    verdict = await self._no_stream_for(subject, budget) if budget > 0 else None
+                    answering = verdict is not None
+                    verdicts[subject] = bool(verdict)
+                if verdicts.get(subject):
+                    confirmed.append(NO_STREAM)
                     continue
             confirmed.append(result)
         return confirmed
 
-    async def _no_stream_for(self, subject: str) -> bool:
+    async def _no_stream_for(self, subject: str, budget: float) -> bool | None:
+        """Whether no stream captures ``subject``; None when JetStream did not say."""
         if self._js is None:
-            return False
+            return None
         try:
-            await self._js.find_stream_name_by_subject(subject)
+            await asyncio.wait_for(self._js.find_stream_name_by_subject(subject), budget)
         except nats.js.errors.NotFoundError:
             return True
-        except Exception as exc:  # noqa: BLE001 - unsure means retry, not give up
-            log.warning("could not ask JetStream which stream captures %r: %s", subject, exc)
-            return False
+        except Exception as exc:  # noqa: BLE001 - unsure: the broker's, not the row's
+            log.debug("could not ask JetStream which stream captures %r: %s", subject, exc)
+            return None
         return False

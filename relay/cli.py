@@ -21,12 +21,13 @@ log = logging.getLogger("relay")
 # The options each command takes; `run` takes them all.
 _SQL_OPTIONS = ("database_url", "table", "channel", "log_level", "log_format")
 _OPERATOR_OPTIONS = (*_SQL_OPTIONS, "max_attempts")
+OPERATOR_COMMANDS = ("status", "requeue", "skip")
 
 
 def _options_for(command: str) -> tuple[Option, ...]:
     if command in ("install", "uninstall"):
         return tuple(o for o in RUN_OPTIONS if o.name in _SQL_OPTIONS)
-    if command in ("status", "requeue"):
+    if command in OPERATOR_COMMANDS:
         return tuple(o for o in RUN_OPTIONS if o.name in _OPERATOR_OPTIONS)
     return RUN_OPTIONS
 
@@ -70,13 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
         _add_options(sql_command, _options_for(name))
     status = commands.add_parser(
-        "status", help="backlog per event type: unpublished, dead, oldest, attempts"
+        "status",
+        help="backlog per event type (unpublished, dead, skipped, oldest, attempts) "
+        "and the subjects dead rows hold back",
     )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     _add_options(status, _options_for("status"))
     requeue = commands.add_parser(
         "requeue",
-        help="reset attempts and backoff of dead rows (a dry run unless --execute)",
+        help="reset attempts and backoff of dead rows, so they are published before the "
+        "rows they hold back (a dry run unless --execute)",
     )
     requeue.add_argument(
         "--id",
@@ -84,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="UUID",
-        help="an unpublished row to retry now (dead or backing off); repeatable",
+        help="an unpublished row to retry now (dead, skipped or backing off); repeatable",
     )
     requeue.add_argument(
         "--event-type",
@@ -100,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="change the rows (without it, only show what would change)",
     )
     _add_options(requeue, _options_for("requeue"))
+    skip = commands.add_parser(
+        "skip",
+        help="give up on rows: keep them unpublished and release the subject they hold "
+        "back (a dry run unless --execute)",
+    )
+    skip.add_argument(
+        "--id",
+        type=_uuid,
+        action="append",
+        default=[],
+        required=True,
+        metavar="UUID",
+        help="an unpublished row to give up on; repeatable",
+    )
+    skip.add_argument(
+        "--execute",
+        action="store_true",
+        help="change the rows (without it, only show what would change)",
+    )
+    _add_options(skip, _options_for("skip"))
     bench = commands.add_parser(
         "bench",
         help="measure the relay against Postgres and NATS floors and the plain poller",
@@ -161,12 +185,13 @@ def _operator_command(args: argparse.Namespace, config: Config) -> int:
     conninfo = database.connection_string(config.database_url)
     try:
         if args.command == "status":
-            backlog = operator.read_status(conninfo, config)
-            sys.stdout.write(
-                operator.status_json(backlog)
-                if args.json
-                else operator.render_status(backlog, config)
-            )
+            status = operator.read_status(conninfo, config)
+            rendered = operator.status_json(status) if args.json else None
+            sys.stdout.write(rendered or operator.render_status(status, config))
+            return 0
+        if args.command == "skip":
+            outcome = operator.skip(conninfo, config, ids=args.id, execute=args.execute)
+            sys.stdout.write(operator.render_skip(outcome, args.id, execute=args.execute))
             return 0
         if not (args.id or args.event_type or args.all_dead):
             print(
@@ -187,9 +212,11 @@ def _operator_command(args: argparse.Namespace, config: Config) -> int:
         log.error("%s failed on %s: %s", args.command, redact_url(config.database_url), message)
         return 1
     for row in result.matched:
+        note = "  (was skipped: goes out after rows published since)" if row["skipped"] else ""
         print(
             f"{row['id']}  {row['event_type'] or '(empty)'}  attempts={row['attempts']}  "
             f"{row['last_error'] or ''}".rstrip()
+            + note
         )
     if args.execute:
         print(f"requeued {result.reset} rows")
@@ -235,7 +262,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     setup_logging(config.log_level, config.log_format)
     if args.command in ("install", "uninstall"):
         return _sql_command(args, config)
-    if args.command in ("status", "requeue"):
+    if args.command in OPERATOR_COMMANDS:
         return _operator_command(args, config)
     return app.run(config)
 

@@ -180,6 +180,8 @@ class Claim:
 class Backlog:
     unpublished: int
     dead: int
+    skipped: int
+    held_subjects: int
     oldest_age_seconds: float
 
 
@@ -371,10 +373,11 @@ class Database:
                 conn.execute, query(self.names, "relay_columns"), {"table": table_text}
             )
             columns = await aio.call(cursor.fetchone)
-            if columns is None or columns[0] != 4:
+            if columns is None or columns[0] != 5:
                 raise SetupError(
                     f"--table: table {self.config.table_display} lacks the relay's columns "
-                    "(relay_retry_at, relay_last_error, relay_dead_at, relay_seq): "
+                    "(relay_retry_at, relay_last_error, relay_dead_at, relay_seq, "
+                    "relay_skipped_at): "
                     "run `outbox-relay install`"
                 )
             cursor = await aio.call(
@@ -398,7 +401,7 @@ class Database:
             )
             row = await aio.call(cursor.fetchone)
         assert row is not None  # an aggregate always returns one row
-        return Backlog(unpublished=row[0], dead=row[1], oldest_age_seconds=row[2])
+        return Backlog(*row)
 
     async def delete_spent(self, retention: float, batch_size: int) -> int:
         async with self.connection("retention") as conn, translated("retention"):

@@ -1,4 +1,5 @@
-"""Table-wide gauges, read on a short interval: backlog, oldest row, dead rows."""
+"""Table-wide gauges, read on a short interval: backlog, oldest row, dead rows,
+skipped rows and the subjects dead rows hold back."""
 
 from __future__ import annotations
 
@@ -24,5 +25,7 @@ async def run_gauges(config: Config, database: Database, metrics: Metrics) -> No
         else:
             metrics.unpublished.set(backlog.unpublished)
             metrics.dead_rows.set(backlog.dead)
+            metrics.skipped_rows.set(backlog.skipped)
+            metrics.held_subjects.set(backlog.held_subjects)
             metrics.oldest_age.set(backlog.oldest_age_seconds)
         await trio.sleep(config.gauge_interval)

@@ -12,8 +12,10 @@ class Health:
     database: bool = False
     listening: bool = False
     broker: bool = False
-    # False from a batch the broker acknowledged none of, until one it acknowledges.
+    # False from a batch the broker acknowledged none of, until one it acknowledges;
+    # broker_problem says how it failed.
     broker_acking: bool = True
+    broker_problem: str = ""
     setup_problem: str | None = None
     stopping: bool = False
 
@@ -28,7 +30,8 @@ class Health:
             (not self.broker, "NATS is not connected"),
             (
                 not self.broker_acking,
-                "NATS acknowledges no publish (the rows wait, their attempts untouched)",
+                f"NATS acknowledges no publish ({self.broker_problem or 'no ack'}): "
+                "the rows wait, their attempts untouched",
             ),
         )
         return next((reason for holds, reason in reasons if holds), None)

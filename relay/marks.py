@@ -6,37 +6,47 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from relay.backoff import row_retry_delay
-from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult, RowId
-
-# Failures that say nothing about the row: the broker did not answer in time, or
-# the connection went away. On their own in a batch they are the broker's outage.
-BROKER_SIDE = frozenset({FailureReason.TIMEOUT, FailureReason.DISCONNECTED})
+from relay.model import Acked, Failed, OutboxRow, PublishResult, RowId
 
 
 def broker_outage(results: Mapping[RowId, PublishResult]) -> bool:
     """Whether the broker, not the rows, failed this batch: it acknowledged none of
-    the messages sent, and every one that failed failed in a way no row can cause.
-    Rows rejected before sending (a bad subject, too large) do not count either way.
+    the messages sent, and every one that failed failed for the broker's reason
+    (:attr:`FailureReason.broker_fault`). Rows rejected before sending (a bad
+    subject, too large) do not count either way.
 
-    A broker that stalls or drops the path fails every publish in flight, batch after
-    batch, until the client notices; counting those toward the cap would kill good
-    rows for the broker's fault."""
+    The publisher then stops claiming and probes, with a pause that grows, instead
+    of marking every row of every batch."""
     sent_failures = 0
     for result in results.values():
         if isinstance(result, Acked):
             return False
-        if result.reason in BROKER_SIDE:
+        if result.reason.broker_fault:
             sent_failures += 1
         elif not result.reason.permanent:
             return False  # refused by the stream: about this message
     return sent_failures > 0
 
 
+# The longest a row that failed for the broker's reason waits before it is tried
+# again, whatever its age: once the broker is back, its rows follow within this.
+BROKER_FAULT_RETRY_MAX = 30.0
+
+
+def broker_fault_delay(age: float, base: float, cap: float) -> float:
+    """Seconds before a row that failed for the broker's reason (while other rows of
+    its batch went through: one stream down, a subject no stream captures yet) is
+    tried again: a tenth of the row's age, at least ``base``, at most ``cap`` and
+    BROKER_FAULT_RETRY_MAX. Its attempts are not counted, so the delay grows with
+    how long it has waited instead."""
+    return max(min(age / 10.0, cap, BROKER_FAULT_RETRY_MAX), min(base, cap))
+
+
 @dataclass(frozen=True, slots=True)
 class FailureMark:
     id: RowId
     attempts: int
-    retry_delay: float | None  # None: the row is at the cap and is left alone
+    retry_delay: float | None  # None: the row is dead, and holds its subject
     error: str
 
 
@@ -45,6 +55,9 @@ class Marks:
     published: list[RowId] = field(default_factory=list)
     failed: list[FailureMark] = field(default_factory=list)
     newly_dead: list[tuple[OutboxRow, Failed]] = field(default_factory=list)
+    # Rows that failed for the broker's reason, marked to wait with their attempts
+    # untouched (not in an outage: then they are not marked at all).
+    broker_faults: list[tuple[OutboxRow, Failed]] = field(default_factory=list)
     # The broker failed the batch (broker_outage): its rows that failed were spared.
     broker_outage: bool = False
 
@@ -53,24 +66,31 @@ def decide_marks(
     rows: Mapping[RowId, OutboxRow],
     results: Mapping[RowId, PublishResult],
     *,
+    now: float,
     max_attempts: int,
     backoff_base: float,
     backoff_max: float,
 ) -> Marks:
-    """Acked rows are published; a failed row gets one more attempt and a retry delay,
-    or goes straight to the cap when the failure is permanent or this was its last
-    attempt. Rows without a result were never sent and are left as they are, and so
-    are rows that failed only because the broker did (see :func:`broker_outage`)."""
+    """Acked rows are published. A row that cannot be published as it is goes dead
+    at once; a row the stream refused gets one more attempt and a retry delay, or
+    goes dead on its last attempt. A row that failed for the broker's reason keeps
+    its attempts: it waits (:func:`broker_fault_delay`), or, when the whole batch
+    was the broker's outage, is left exactly as it was. Rows without a result were
+    never sent and are left as they are. ``now`` is epoch seconds."""
     marks = Marks(broker_outage=broker_outage(results))
     for row_id, result in results.items():
         if isinstance(result, Acked):
             marks.published.append(row_id)
             continue
-        if marks.broker_outage and result.reason in BROKER_SIDE:
-            continue
         row = rows[row_id]
-        attempts = max_attempts if result.reason.permanent else min(row.attempts + 1, max_attempts)
         error = f"{result.reason.value}: {result.detail}"[:1000]
+        if result.reason.broker_fault:
+            if not marks.broker_outage:
+                delay = broker_fault_delay(now - row.created_at, backoff_base, backoff_max)
+                marks.failed.append(FailureMark(row_id, row.attempts, delay, error))
+                marks.broker_faults.append((row, result))
+            continue
+        attempts = max_attempts if result.reason.permanent else min(row.attempts + 1, max_attempts)
         if attempts >= max_attempts:
             marks.failed.append(FailureMark(row_id, attempts, None, error))
             marks.newly_dead.append((row, result))

@@ -152,7 +152,25 @@ class Metrics:
             registry=r,
         )
         self.dead_rows = Gauge(
-            "outbox_relay_dead_rows", "Unpublished rows at the attempt cap (table-wide)", registry=r
+            "outbox_relay_dead_rows",
+            "Dead rows: unpublished, given up on by the relay, each holding back the later rows "
+            "of its subject (table-wide)",
+            registry=r,
+        )
+        self.held_subjects = Gauge(
+            "outbox_relay_held_subjects",
+            "Subjects whose later rows wait behind a dead row (table-wide)",
+            registry=r,
+        )
+        self.skipped_rows = Gauge(
+            "outbox_relay_skipped_rows",
+            "Rows an operator gave up on with `outbox-relay skip`: kept, unpublished (table-wide)",
+            registry=r,
+        )
+        self.subjects_without_stream = Gauge(
+            "outbox_relay_subjects_without_stream",
+            "Event types (NATS subjects) this relay met that no stream captures; their rows wait",
+            registry=r,
         )
         self.publish_latency = BatchHistogram(
             "outbox_relay_publish_latency_seconds",

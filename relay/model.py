@@ -43,29 +43,48 @@ class OutboxRow(NamedTuple):
 
 
 class FailureReason(enum.StrEnum):
-    """Why a publish failed; also the ``reason`` label of the failure metric."""
+    """Why a publish failed; also the ``reason`` label of the failure metric.
+
+    Each reason is the fault of one party. The row's (``permanent``): it can never
+    be published as it is, and it goes dead at once. The broker's (``broker_fault``:
+    NATS, JetStream or the stream's configuration): the row is retried later with
+    its attempts untouched, however long that takes. ``refused`` and ``other`` are
+    the rest: the stream turned this message down for a reason it gave, or something
+    unexpected happened; each counts as one attempt, up to the cap."""
 
     TIMEOUT = "timeout"
-    NO_STREAM = "no_stream"
+    DISCONNECTED = "disconnected"
+    NO_STREAM = "no_stream"  # JetStream confirms that no stream captures the subject
+    NO_RESPONDERS = "no_responders"  # a stream captures it but none answered (no leader)
+    STREAM_UNAVAILABLE = "stream_unavailable"  # refused for the stream's state: full, offline
     TOO_LARGE = "too_large"
     INVALID_SUBJECT = "invalid_subject"
     INVALID_TIME = "invalid_time"
-    DISCONNECTED = "disconnected"
+    REFUSED = "refused"
     OTHER = "other"
 
     @property
     def permanent(self) -> bool:
-        """A permanent failure cannot succeed on retry: the row goes to the cap at once
-        instead of burning attempts and holding up its subject."""
+        """The row cannot be published as it is: it goes dead at once instead of
+        burning attempts."""
         return self in _PERMANENT
+
+    @property
+    def broker_fault(self) -> bool:
+        """The broker failed, not the row: the row never moves toward the cap for it."""
+        return self in _BROKER_FAULTS
 
 
 _PERMANENT = frozenset(
+    {FailureReason.TOO_LARGE, FailureReason.INVALID_SUBJECT, FailureReason.INVALID_TIME}
+)
+_BROKER_FAULTS = frozenset(
     {
+        FailureReason.TIMEOUT,
+        FailureReason.DISCONNECTED,
         FailureReason.NO_STREAM,
-        FailureReason.TOO_LARGE,
-        FailureReason.INVALID_SUBJECT,
-        FailureReason.INVALID_TIME,
+        FailureReason.NO_RESPONDERS,
+        FailureReason.STREAM_UNAVAILABLE,
     }
 )
 

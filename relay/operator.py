@@ -1,5 +1,6 @@
-"""Operator commands: `status` (what is stuck, and since when) and `requeue`
-(give dead rows another go once the cause is fixed)."""
+"""Operator commands: `status` (what is stuck, and since when), `requeue` (give dead
+rows another go once the cause is fixed) and `skip` (give up on a row for good,
+keeping it, so that its subject moves on)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,47 @@ class TypeBacklog:
     event_type: str
     unpublished: int
     dead: int
+    skipped: int
     backing_off: int
     oldest_age_seconds: float
     max_attempts: int
     last_error: str | None
 
 
-def read_status(conninfo: str, config: Config) -> list[TypeBacklog]:
+@dataclass(frozen=True)
+class HeldSubject:
+    """A subject whose later rows wait behind a dead row of it."""
+
+    subject: str
+    dead: int
+    waiting: int  # live rows behind the dead ones
+    first_dead_id: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Status:
+    backlog: list[TypeBacklog]
+    held: list[HeldSubject]
+
+
+HELD_SUBJECTS_SHOWN = 50
+
+
+def read_status(conninfo: str, config: Config) -> Status:
     names = Names.for_config(config)
     with psycopg.connect(conninfo) as conn:
         rows = conn.execute(query(names, "status"), {"max_attempts": config.max_attempts})
-        return [TypeBacklog(*row) for row in rows.fetchall()]
+        backlog = [TypeBacklog(*row) for row in rows.fetchall()]
+        rows = conn.execute(
+            query(names, "held_subjects"),
+            {"max_attempts": config.max_attempts, "limit": HELD_SUBJECTS_SHOWN},
+        )
+        held = [
+            HeldSubject(subject, dead, waiting, str(first), error)
+            for subject, dead, waiting, first, error in rows.fetchall()
+        ]
+    return Status(backlog, held)
 
 
 def format_age(seconds: float) -> str:
@@ -45,30 +76,55 @@ def format_age(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def render_status(backlog: Sequence[TypeBacklog], config: Config) -> str:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+        for r in [header, *rows]
+    ]
+
+
+def render_status(status: Status, config: Config) -> str:
+    backlog = status.backlog
     if not backlog:
         return f"{config.table_display}: nothing unpublished\n"
-    header = ("EVENT TYPE", "UNPUBLISHED", "DEAD", "BACKING OFF", "OLDEST", "MAX ATTEMPTS")
+    header = (
+        "EVENT TYPE", "UNPUBLISHED", "DEAD", "SKIPPED", "BACKING OFF", "OLDEST", "MAX ATTEMPTS"
+    )  # fmt: skip
     rows = [
         (
             b.event_type or "(empty)",
             str(b.unpublished),
             str(b.dead),
+            str(b.skipped),
             str(b.backing_off),
             format_age(b.oldest_age_seconds),
             f"{b.max_attempts}/{config.max_attempts}",
         )
         for b in backlog
     ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in [header, *rows]
-    ]
+    lines = _table(header, rows)
     total = sum(b.unpublished for b in backlog)
     dead = sum(b.dead for b in backlog)
+    skipped = sum(b.skipped for b in backlog)
     lines.append(
-        f"\n{total} unpublished, {dead} dead (at the cap of {config.max_attempts} attempts)"
+        f"\n{total} unpublished, {dead} dead (each holds back the later rows of its subject), "
+        f"{skipped} skipped"
     )
+    if status.held:
+        shown = "" if len(status.held) < HELD_SUBJECTS_SHOWN else f" (first {HELD_SUBJECTS_SHOWN})"
+        lines.append(f"\nheld subjects{shown}: `requeue` the dead row once its cause is fixed, "
+                     "or `skip` it to let the subject move on without it")  # fmt: skip
+        lines.extend(
+            "  " + line
+            for line in _table(
+                ("SUBJECT", "DEAD", "WAITING BEHIND", "FIRST DEAD ROW", "ERROR"),
+                [
+                    (h.subject, str(h.dead), str(h.waiting), h.first_dead_id, h.error or "")
+                    for h in status.held
+                ],
+            )
+        )
     errors = [(b.event_type, b.last_error) for b in backlog if b.last_error]
     if errors:
         lines.append("\nlast errors:")
@@ -76,8 +132,8 @@ def render_status(backlog: Sequence[TypeBacklog], config: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-def status_json(backlog: Sequence[TypeBacklog]) -> str:
-    return json.dumps([asdict(b) for b in backlog], indent=2) + "\n"
+def status_json(status: Status) -> str:
+    return json.dumps(asdict(status), indent=2) + "\n"
 
 
 @dataclass(frozen=True)
@@ -108,9 +164,10 @@ def requeue(
             },
         ).fetchall()
         matched = [
-            {"id": str(r[0]), "event_type": r[1], "attempts": r[2], "last_error": r[3]}
+            {"id": str(r[0]), "event_type": r[1], "attempts": r[2], "last_error": r[3],
+             "skipped": r[4]}
             for r in found
-        ]
+        ]  # fmt: skip
         reset = 0
         if execute and found:
             cursor = conn.execute(query(names, "requeue_reset"), {"ids": [r[0] for r in found]})
@@ -119,3 +176,53 @@ def requeue(
             conn.execute(query(names, "wake_relays"), {"channel": config.channel})
         conn.commit()
     return RequeueResult(matched, reset)
+
+
+@dataclass(frozen=True)
+class SkipResult:
+    matched: list[dict[str, Any]]
+    skipped: int
+
+
+def skip(conninfo: str, config: Config, *, ids: Sequence[UUID], execute: bool) -> SkipResult:
+    """Select the rows, and skip them only when ``execute``; one transaction. The
+    select waits for a batch in flight that holds one of them."""
+    names = Names.for_config(config)
+    with psycopg.connect(conninfo) as conn:
+        found = conn.execute(
+            query(names, "skip_select"), {"ids": list(ids), "max_attempts": config.max_attempts}
+        ).fetchall()
+        matched = [
+            {"id": str(r[0]), "event_type": r[1], "subject": r[2], "attempts": r[3],
+             "last_error": r[4], "dead": r[5]}
+            for r in found
+        ]  # fmt: skip
+        skipped = 0
+        if execute and found:
+            cursor = conn.execute(query(names, "skip_mark"), {"ids": [r[0] for r in found]})
+            skipped = cursor.rowcount
+            # The rows they held back can go now: wake the relays.
+            conn.execute(query(names, "wake_relays"), {"channel": config.channel})
+        conn.commit()
+    return SkipResult(matched, skipped)
+
+
+def render_skip(result: SkipResult, ids: Sequence[UUID], *, execute: bool) -> str:
+    lines = [
+        f"{row['id']}  {row['event_type'] or '(empty)'}  subject={row['subject']}  "
+        f"attempts={row['attempts']}  {'dead' if row['dead'] else 'not dead'}  "
+        f"{row['last_error'] or ''}".rstrip()
+        for row in result.matched
+    ]
+    found = {row["id"] for row in result.matched}
+    lines.extend(
+        f"{row_id}  not skipped: no such unpublished row, or skipped already"
+        for row_id in map(str, ids)
+        if row_id not in found
+    )
+    if execute:
+        lines.append(f"skipped {result.skipped} rows: kept in the table, unpublished; "
+                     "their subjects move on without them")  # fmt: skip
+    else:
+        lines.append(f"{len(result.matched)} rows would be skipped (dry run: add --execute)")
+    return "\n".join(lines) + "\n"

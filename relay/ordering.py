@@ -77,11 +77,10 @@ def unsettled_subjects(
     rows: Iterable[OutboxRow], results: Mapping[RowId, PublishResult]
 ) -> frozenset[str]:
     """Subjects a later batch must not publish yet: one of their ``rows`` was not
-    sent (held, or out of time), or failed in a way a retry may fix. A row that
-    failed for good holds nothing up: it goes to the cap."""
+    sent (held, or out of time) or failed. A row that failed waits, or is dead, and
+    either way holds its subject back."""
     unsettled: set[str] = set()
     for row in rows:
-        result = results.get(row.id)
-        if result is None or not (isinstance(result, Acked) or result.reason.permanent):
+        if not isinstance(results.get(row.id), Acked):
             unsettled.add(row.subject)
     return frozenset(unsettled)

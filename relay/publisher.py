@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +24,7 @@ from relay.errors import DatabaseUnavailable, RelayError
 from relay.health import Health
 from relay.listener import Sleep
 from relay.metrics import Metrics
-from relay.model import Acked
+from relay.model import Acked, Failed, FailureReason, PublishResult
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,43 @@ CONTENTION_PAUSE = 0.05
 BATCHES_IN_FLIGHT = 2
 
 
+def failure_summary(results: Iterable[PublishResult]) -> str:
+    """The failures among ``results``, counted by reason: "no_responders x 12"."""
+    reasons = Counter(r.reason.value for r in results if isinstance(r, Failed))
+    return ", ".join(f"{reason} x {count}" for reason, count in reasons.most_common())
+
+
+class StreamlessSubjects:
+    """The NATS subjects (event types) this relay met that no stream captures: a
+    warning the first time each is met, and again when a stream takes it, and a
+    gauge of how many there are now. Their rows wait; they are the operator's to
+    fix, by adding the subject to a stream."""
+
+    def __init__(self, set_gauge: Callable[[float], None]) -> None:
+        self._subjects: set[str] = set()
+        self._set_gauge = set_gauge
+
+    def record(self, results: Iterable[tuple[str, PublishResult]]) -> None:
+        before = set(self._subjects)
+        for subject, result in results:
+            if isinstance(result, Acked):
+                self._subjects.discard(subject)
+            elif result.reason is FailureReason.NO_STREAM:
+                self._subjects.add(subject)
+        for subject in sorted(self._subjects - before):
+            log.warning(
+                "no stream captures subject %r: its rows wait, their attempts untouched, "
+                "until a stream's subjects include it",
+                subject,
+                extra={"event_type": subject},
+            )
+        for subject in sorted(before - self._subjects):
+            log.info(
+                "subject %r is captured by a stream now", subject, extra={"event_type": subject}
+            )
+        self._set_gauge(len(self._subjects))
+
+
 @dataclass(frozen=True)
 class PassResult:
     claimed: int
@@ -84,6 +121,8 @@ class PassResult:
     held: int
     acked: int = 0
     broker_outage: bool = False
+    # How the broker failed an outage batch: "no_responders x 12, timeout x 3".
+    broker_problem: str = ""
 
     def more_work_likely(self, batch_size: int) -> bool:
         return self.claimed == batch_size and self.settled > 0
@@ -129,6 +168,7 @@ class Publisher:
         self._listener = listener
         self.heartbeat = 0.0
         self._woken = False
+        self._streamless = StreamlessSubjects(metrics.subjects_without_stream.set)
 
     async def run(self, stopping: trio.Event) -> None:
         """Drain, then sleep until woken, until ``stopping`` is set. A stop request
@@ -256,12 +296,14 @@ class Publisher:
                 # The broker's fault, not the rows': they were left as they were. Try
                 # again after a pause that grows, as for any dependency that is down.
                 self._health.broker_acking = False
+                self._health.broker_problem = result.broker_problem
                 self._metrics.broker_outage_batches.inc()
                 delay = broker_backoff.next_delay()
                 log.warning(
-                    "NATS acknowledged none of a batch of %d rows: they wait with their "
+                    "NATS acknowledged none of a batch of %d rows (%s): they wait with their "
                     "attempts untouched; retrying in %.1fs",
                     result.claimed,
+                    result.broker_problem,
                     delay,
                 )
                 with trio.move_on_after(delay):
@@ -269,6 +311,7 @@ class Publisher:
                 continue
             if result.acked:
                 self._health.broker_acking = True
+                self._health.broker_problem = ""
                 broker_backoff.reset()
             if result.more_work_likely(self._config.batch_size):
                 more_work()
@@ -295,6 +338,7 @@ class Publisher:
             len(outcome.held),
             acked,
             outcome.broker_outage,
+            failure_summary(outcome.results.values()) if outcome.broker_outage else "",
         )
 
     def _record(self, outcome: BatchOutcome) -> None:
@@ -322,8 +366,8 @@ class Publisher:
                 event_type=self._metrics.event_type(row.event_type),
                 reason=result.reason.value,
             ).inc()
-            if row_id in dead or outcome.broker_outage:
-                continue  # logged once, below, as a dead row; or once for the batch
+            if row_id in dead or outcome.broker_outage or result.reason.broker_fault:
+                continue  # logged below: as a dead row, or once for the batch
             log.warning(
                 "publish failed: %s",
                 result.detail,
@@ -333,6 +377,18 @@ class Publisher:
                     "reason": result.reason.value,
                     "attempts": row.attempts + 1,
                 },
+            )
+        self._streamless.record(
+            (by_id[row_id].event_type, result) for row_id, result in results.items()
+        )
+        if marks.broker_faults:
+            event_types = sorted({row.event_type for row, _ in marks.broker_faults})
+            log.warning(
+                "%d rows failed for the broker's reason (%s): they wait, their attempts "
+                "untouched, and hold their subjects back",
+                len(marks.broker_faults),
+                failure_summary(failure for _, failure in marks.broker_faults),
+                extra={"event_types": event_types[:10]},
             )
         self._metrics.publish_latency.observe_many(latencies)
         for event_type, count in published.items():

@@ -15,7 +15,8 @@
 --
 -- Rows another relay holds are skipped, not waited on. A row waiting out its
 -- backoff is not claimed, and neither is any later row of its subject (per-subject
--- order); a row at the cap holds nothing up.
+-- order); a dead row holds its subject the same way, for good (its relay_retry_at
+-- is 'infinity'), until `requeue` or `skip` lets it go.
 --
 -- Timestamps leave the database as text and numbers the relay can always read:
 -- ``time`` as the envelope's RFC 3339 text (null when RFC 3339 cannot express it:
@@ -45,7 +46,6 @@ with horizon as materialized (
              from {table} b
             where b.subject = h.subject
               and b.relay_retry_at > now()
-              and b.attempts < {max_attempts}
               and (b.created_at, b.relay_seq) < (h.created_at, h.relay_seq)
            offset 0)
    order by h.created_at, h.relay_seq
@@ -70,14 +70,13 @@ claimed as materialized (
      and o.attempts < {max_attempts}
      and (o.relay_retry_at is null or o.relay_retry_at <= now())
      and not exists (
-           -- No "published_at is null" here: see the retry index in install/002.
-           -- A row in backoff is unpublished (marking a row published clears
-           -- relay_retry_at, and so does requeue).
+           -- No "published_at is null" here: see the waiting index in install/002.
+           -- A row in backoff or dead is unpublished (marking a row published
+           -- clears relay_retry_at, and so do requeue and skip).
            select 1
              from {table} b
             where b.subject = o.subject
               and b.relay_retry_at > now()
-              and b.attempts < {max_attempts}
               and (b.created_at, b.relay_seq) < (o.created_at, o.relay_seq)
            offset 0)
    order by o.created_at, o.relay_seq
@@ -135,11 +134,12 @@ update {table}
  where id = any(%(ids)s::uuid[]);
 
 -- name: mark_failed
--- A row with no delay is at the cap: it is dead from now on (relay_retry_at null,
--- relay_dead_at set), which takes it out of the claim index.
+-- A row with no delay is dead from now on: relay_dead_at set takes it out of the
+-- claim index, relay_retry_at 'infinity' holds its subject back.
 update {table} t
    set attempts = f.attempts,
-       relay_retry_at = clock_timestamp() + make_interval(secs => f.delay),
+       relay_retry_at = case when f.delay is null then 'infinity'
+                             else clock_timestamp() + make_interval(secs => f.delay) end,
        relay_last_error = f.error,
        relay_dead_at = case when f.delay is null then clock_timestamp() end
   from unnest(%(ids)s::text[]::uuid[], %(attempts)s::int[], %(delays)s::float8[],
@@ -166,7 +166,8 @@ delete from {table} t
 -- name: relay_columns
 select count(*) from pg_attribute
  where attrelid = %(table)s::regclass
-   and attname in ('relay_retry_at', 'relay_last_error', 'relay_dead_at', 'relay_seq')
+   and attname in ('relay_retry_at', 'relay_last_error', 'relay_dead_at', 'relay_seq',
+                   'relay_skipped_at')
    and not attisdropped;
 
 -- name: notify_trigger_present
@@ -176,9 +177,16 @@ select count(*) from pg_trigger
 -- name: backlog
 -- Table-wide gauges. Reads only the partial index of unpublished rows (and their
 -- heap tuples), so it costs the backlog, not the table.
+-- A skipped row is not dead: an operator let it go.
 select count(*) as unpublished,
-       count(*) filter (where attempts >= %(max_attempts)s or relay_dead_at is not null)
+       count(*) filter (where (attempts >= %(max_attempts)s or relay_dead_at is not null)
+                          and relay_skipped_at is null)
          as dead,
+       count(*) filter (where relay_skipped_at is not null) as skipped,
+       count(distinct subject) filter (where (attempts >= %(max_attempts)s
+                                              or relay_dead_at is not null)
+                                         and relay_skipped_at is null)
+         as held_subjects,
        coalesce(extract(epoch from clock_timestamp()
                 - min(created_at) filter (where attempts < %(max_attempts)s
                                             and relay_dead_at is null)), 0)::float8
@@ -190,8 +198,10 @@ select count(*) as unpublished,
 -- `outbox-relay status`: the backlog per event_type, from the partial index.
 select event_type,
        count(*) as unpublished,
-       count(*) filter (where attempts >= %(max_attempts)s or relay_dead_at is not null)
+       count(*) filter (where (attempts >= %(max_attempts)s or relay_dead_at is not null)
+                          and relay_skipped_at is null)
          as dead,
+       count(*) filter (where relay_skipped_at is not null) as skipped,
        count(*) filter (where attempts < %(max_attempts)s and relay_dead_at is null
                           and relay_retry_at > now())
          as backing_off,
@@ -205,33 +215,78 @@ select event_type,
  group by event_type
  order by oldest_age_seconds desc, event_type;
 
+-- name: held_subjects
+-- `outbox-relay status`: subjects a dead row holds back, the earliest first, with
+-- how many live rows wait behind it. Reads the dead rows through the waiting index
+-- and the unpublished rows of those subjects.
+with dead as (
+  select subject, count(*) as dead, min(created_at) as since,
+         (array_agg(id order by created_at, relay_seq))[1] as first_dead,
+         (array_agg(relay_last_error order by created_at, relay_seq))[1] as error
+    from {table}
+   where published_at is null and relay_skipped_at is null
+     and (attempts >= %(max_attempts)s or relay_dead_at is not null)
+   group by subject
+)
+select d.subject, d.dead,
+       (select count(*) from {table} w
+         where w.subject = d.subject and w.published_at is null
+           and w.attempts < %(max_attempts)s and w.relay_dead_at is null) as waiting,
+       d.first_dead, d.error
+  from dead d
+ order by d.since, d.subject
+ limit %(limit)s;
+
 -- name: requeue_select
 -- Rows `outbox-relay requeue` would reset: unpublished, and dead or chosen by id.
-select id, event_type, attempts, relay_last_error
+-- A skipped row comes back only by its id: skipping it was an operator's decision.
+select id, event_type, attempts, relay_last_error, relay_skipped_at is not null as skipped
   from {table}
  where published_at is null
    and (attempts > 0 or relay_retry_at is not null or relay_dead_at is not null)
    and (   id = any(%(ids)s)
-        or (%(all_dead)s and (attempts >= %(max_attempts)s or relay_dead_at is not null))
-        or ((attempts >= %(max_attempts)s or relay_dead_at is not null)
-            and event_type = any(%(event_types)s)))
- order by created_at, id
+        or (relay_skipped_at is null
+            and (attempts >= %(max_attempts)s or relay_dead_at is not null)
+            and (%(all_dead)s or event_type = any(%(event_types)s))))
+ order by created_at, relay_seq
    for update;
 
 -- name: requeue_reset
 update {table}
-   set attempts = 0, relay_retry_at = null, relay_last_error = null, relay_dead_at = null
+   set attempts = 0, relay_retry_at = null, relay_last_error = null, relay_dead_at = null,
+       relay_skipped_at = null
  where id = any(%(ids)s) and published_at is null;
 
--- name: adopt_dead
--- Rows at the cap that are not marked dead (left by a relay from before
--- relay_dead_at, set by hand, or under a lower --max-attempts): marked dead at
--- start, so they leave the claim index. Reads the unpublished rows once.
+-- name: skip_select
+-- Rows `outbox-relay skip` would let go: unpublished and not skipped yet. Waits for
+-- a batch in flight that holds one (it may be publishing it right now).
+select id, event_type, subject, attempts, relay_last_error,
+       relay_dead_at is not null or attempts >= %(max_attempts)s as dead
+  from {table}
+ where id = any(%(ids)s) and published_at is null and relay_skipped_at is null
+ order by created_at, relay_seq
+   for update;
+
+-- name: skip_mark
+-- Skipped: out of the claim index (relay_dead_at), holding nothing back
+-- (relay_retry_at null), and kept, unpublished, for whoever needs it later.
 update {table}
-   set relay_dead_at = clock_timestamp(), relay_retry_at = null
+   set relay_skipped_at = clock_timestamp(),
+       relay_dead_at = coalesce(relay_dead_at, clock_timestamp()),
+       relay_retry_at = null
+ where id = any(%(ids)s) and published_at is null and relay_skipped_at is null;
+
+-- name: adopt_dead
+-- Dead rows not marked as this version marks them, marked at start: rows at the cap
+-- without relay_dead_at (left by a relay from before it, set by hand, or under a
+-- lower --max-attempts) leave the claim index, and dead rows of an earlier version
+-- (relay_retry_at null) now hold their subject. Reads the unpublished rows once.
+update {table}
+   set relay_dead_at = coalesce(relay_dead_at, clock_timestamp()), relay_retry_at = 'infinity'
  where published_at is null
-   and relay_dead_at is null
-   and attempts >= %(max_attempts)s;
+   and relay_skipped_at is null
+   and (attempts >= %(max_attempts)s or relay_dead_at is not null)
+   and relay_retry_at is distinct from 'infinity';
 
 -- name: wake_relays
 select pg_notify(%(channel)s, '');

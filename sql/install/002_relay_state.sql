@@ -5,9 +5,13 @@
 -- table makes backoff hold across relay restarts and across replicas.
 -- relay_last_error: why the last publish failed, for `outbox-relay status` and
 -- for whoever is paged about a dead row.
--- relay_dead_at: when the relay gave up on the row (it reached the attempt cap).
--- A dead row leaves the claim index below, so dead rows left by an incident cost
--- the claim nothing; `requeue` clears it.
+-- relay_dead_at: when the relay gave up on the row (a reason inside the row, or
+-- the attempt cap). A dead row leaves the claim index below, so dead rows left by
+-- an incident cost the claim nothing; `requeue` clears it. A dead row keeps
+-- relay_retry_at at 'infinity': it holds the later rows of its subject back, on
+-- every replica, through the same index and question as a row in backoff.
+-- relay_skipped_at: when an operator gave up on the row (`outbox-relay skip`): it
+-- stays in the table, unpublished, and no longer holds its subject back.
 --
 -- Every change is made only when missing (checked in the catalog first), so an
 -- install on an installed table takes no lock on it: "alter table ... add column
@@ -28,6 +32,11 @@ begin
                   where attrelid = {table_name}::regclass and attname = 'relay_dead_at'
                     and not attisdropped) then
     alter table {table} add column relay_dead_at timestamptz null;
+  end if;
+  if not exists (select 1 from pg_attribute
+                  where attrelid = {table_name}::regclass and attname = 'relay_skipped_at'
+                    and not attisdropped) then
+    alter table {table} add column relay_skipped_at timestamptz null;
   end if;
 
   -- relay_seq: insertion order. Every row of one transaction shares created_at
@@ -69,11 +78,12 @@ begin
       where coalesce(published_at, relay_dead_at) is null;
   end if;
 
-  -- Rows waiting out a backoff, by subject in publishing order: the claim asks
-  -- "does an earlier row of this subject wait?" through this index, once per row
-  -- it considers. Producers insert rows with relay_retry_at null, so their inserts
-  -- never touch it. Its predicate is relay_retry_at alone (the relay clears it when
-  -- it marks a row published or dead), so the claim's question can be answered by
+  -- Rows waiting out a backoff, and dead rows (their relay_retry_at is 'infinity'),
+  -- by subject in publishing order: the claim asks "does an earlier row of this
+  -- subject wait?" through this index, once per row it considers. Producers insert
+  -- rows with relay_retry_at null, so their inserts never touch it. Its predicate is
+  -- relay_retry_at alone (the relay clears it when it marks a row published, and
+  -- `skip` and `requeue` clear it), so the claim's question can be answered by
   -- this index and by no other: an index with "published_at is null" in its
   -- predicate, like the unpublished index, would let a planner misled by stale
   -- statistics rescan the whole backlog for every row it considers (seen here: a

@@ -191,28 +191,32 @@ def test_a_subject_the_first_batch_did_not_settle_is_not_sent_by_the_second():
     run(database, test)
 
 
-def test_a_row_that_failed_for_good_settles_its_subject():
-    bad = row("account-1", 1.0, event_type="orders.*")  # never publishable: at the cap
-    a1 = row("account-1", 2.0)
-    b1 = row("account-1", 3.0)
-    database = Database([bad, a1], [b1])
+def test_a_row_that_cannot_be_published_holds_its_subject():
+    # A row rejected before sending goes dead, and a dead row holds its subject: the
+    # later rows of it, in its own batch and in the next one, are not sent.
+    bad = row("account-1", 1.0, event_type="orders.*")  # never publishable: dead
+    a1, a2 = row("account-1", 2.0), row("account-2", 2.5)
+    b1, b2 = row("account-1", 3.0), row("account-2", 3.5)
+    database = Database([bad, a1, a2], [b1, b2])
 
     async def test(batch: Batch, broker: Broker) -> None:
         outcomes: list[BatchOutcome] = []
         async with trio.open_nursery() as nursery:
             await start(nursery, batch, outcomes)
-            await until(lambda: broker.sent == [a1.id])
+            await until(lambda: broker.sent == [a2.id])
             await start(nursery, batch, outcomes)
-            await trio.sleep(1)
-            assert broker.sent == [a1.id]
-            broker.answer(a1.id)
-            await until(lambda: b1.id in broker.sent)
-            broker.answer(b1.id)
+            broker.answer(a2.id)
+            await until(lambda: b2.id in broker.sent)
+            broker.answer(b2.id)
+        assert broker.sent == [a2.id, b2.id]
         first = next(o for o in outcomes if bad in o.rows)
         failure = first.results[bad.id]
         assert isinstance(failure, Failed)
         assert failure.reason is FailureReason.INVALID_SUBJECT
         assert [d.id for d, _ in first.marks.newly_dead] == [bad.id]
+        assert a1.id not in first.results  # never sent: left exactly as it was
+        second = next(o for o in outcomes if b1 in o.rows)
+        assert b1.id not in second.results
 
     run(database, test)
 

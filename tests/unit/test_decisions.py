@@ -11,7 +11,7 @@ import pytest
 from relay.backoff import ReconnectBackoff, row_retry_delay
 from relay.broker import short_duplicate_windows
 from relay.envelope import MSG_ID_HEADER, build_message
-from relay.marks import broker_outage, decide_marks
+from relay.marks import BROKER_FAULT_RETRY_MAX, broker_fault_delay, broker_outage, decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
 from relay.ordering import (
     SubjectQueues,
@@ -23,6 +23,7 @@ from relay.publishable import rejection, size_problem, subject_problem
 from relay.publisher import linger_for, sleep_retry_pause
 
 T0 = 1_767_225_600.0  # created_at, epoch seconds: 2026-01-01T00:00:00Z
+NOW = T0 + 600.0  # when the marks are decided
 TIME = "2026-01-01T00:00:00.000000Z"  # time, as the claim query renders it
 
 
@@ -39,6 +40,7 @@ def row(
     attempts: int = 0,
     event_type: str = "a.b",
     data: str = "{}",
+    created_ago: float | None = None,
 ) -> OutboxRow:
     return OutboxRow(
         str(uuid.uuid4()),
@@ -47,7 +49,7 @@ def row(
         subject,
         TIME,
         data,
-        T0 + seconds,
+        NOW - created_ago if created_ago is not None else T0 + seconds,
         seq,
         attempts,
     )
@@ -207,7 +209,8 @@ class TestOrdering:
         assert earliest_blockers(found, {ours}) == {"a": (T0 + 2, 2, theirs)}
         assert earliest_blockers(found, {ours, theirs, later}) == {}
 
-    def test_a_subject_is_settled_only_when_none_of_its_rows_may_be_retried(self):
+    def test_a_subject_is_settled_only_when_every_row_of_it_was_acked(self):
+        # A dead row holds its subject as a waiting one does.
         acked, dead, failed, unsent = row("a"), row("b"), row("c"), row("d")
         also_acked = row("c")
         results = {
@@ -217,7 +220,7 @@ class TestOrdering:
             also_acked.id: Acked(),
         }
         rows = [acked, dead, failed, also_acked, unsent]
-        assert unsettled_subjects(rows, results) == {"c", "d"}
+        assert unsettled_subjects(rows, results) == {"b", "c", "d"}
 
     def test_waves_take_one_row_per_subject_in_order(self):
         a1, a2, a3 = row("a", seconds=1), row("a", seconds=2), row("a", seconds=3)
@@ -248,6 +251,7 @@ class TestMarks:
         return decide_marks(
             {r.id: r for r in rows},
             results,
+            now=NOW,
             max_attempts=max_attempts,
             backoff_base=1.0,
             backoff_max=60.0,
@@ -259,22 +263,43 @@ class TestMarks:
         assert marks.published == [a.id, b.id]
         assert marks.failed == []
 
-    def test_a_row_that_times_out_beside_an_acked_one_counts_an_attempt(self):
+    def test_a_row_the_stream_refused_counts_an_attempt_and_backs_off(self):
         r, ok = row(attempts=2), row()
-        marks = self.decide([r, ok], {r.id: Failed(FailureReason.TIMEOUT, "slow"), ok.id: Acked()})
+        marks = self.decide([r, ok], {r.id: Failed(FailureReason.REFUSED, "no"), ok.id: Acked()})
         [mark] = marks.failed
         assert (mark.attempts, mark.retry_delay) == (3, 4.0)
-        assert mark.error == "timeout: slow"
+        assert mark.error == "refused: no"
         assert marks.newly_dead == []
 
-    def test_last_attempt_goes_dead(self):
+    @pytest.mark.parametrize("reason", [r for r in FailureReason if r.broker_fault])
+    def test_a_broker_fault_beside_an_acked_row_waits_without_an_attempt(self, reason):
+        # One stream down, or a subject no stream captures yet, while others take
+        # their rows: the row waits (holding its subject), its attempts untouched,
+        # even on its last attempt, for as long as the fault lasts.
+        r, ok = row(attempts=4, created_ago=120.0), row()
+        marks = self.decide([r, ok], {r.id: Failed(reason, "x"), ok.id: Acked()})
+        [mark] = marks.failed
+        assert (mark.attempts, mark.retry_delay) == (4, 12.0)  # a tenth of its age
+        assert [w.id for w, _ in marks.broker_faults] == [r.id]
+        assert marks.newly_dead == []
+        assert not marks.broker_outage
+
+    def test_the_wait_after_a_broker_fault_grows_with_age_within_bounds(self):
+        assert broker_fault_delay(0.0, 1.0, 300.0) == 1.0  # backoff_base at first
+        assert broker_fault_delay(50.0, 1.0, 300.0) == 5.0
+        assert broker_fault_delay(3600.0, 1.0, 300.0) == BROKER_FAULT_RETRY_MAX
+        assert broker_fault_delay(3600.0, 1.0, 2.0) == 2.0  # never past backoff_max
+        assert broker_fault_delay(-5.0, 0.5, 2.0) == 0.5  # a created_at in the future
+
+    @pytest.mark.parametrize("reason", [FailureReason.REFUSED, FailureReason.OTHER])
+    def test_last_attempt_goes_dead(self, reason):
         r = row(attempts=4)
-        marks = self.decide([r], {r.id: Failed(FailureReason.OTHER, "refused by the stream")})
+        marks = self.decide([r], {r.id: Failed(reason, "refused by the stream")})
         [mark] = marks.failed
         assert (mark.attempts, mark.retry_delay) == (5, None)
         assert [dead.id for dead, _ in marks.newly_dead] == [r.id]
 
-    @pytest.mark.parametrize("reason", [FailureReason.TIMEOUT, FailureReason.DISCONNECTED])
+    @pytest.mark.parametrize("reason", [r for r in FailureReason if r.broker_fault])
     def test_a_batch_the_broker_failed_whole_burns_no_attempt(self, reason):
         # Nothing acked, and every failure one no row can cause: the broker's outage.
         # Even a row on its last attempt is left exactly as it was; a row rejected
@@ -296,14 +321,13 @@ class TestMarks:
         a, b = row(), row()
         timeout = Failed(FailureReason.TIMEOUT, "slow")
         assert not broker_outage({a.id: timeout, b.id: Acked()})
-        assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.OTHER, "refused")})
+        assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.REFUSED, "no")})
+        assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.OTHER, "?")})
         assert not broker_outage({a.id: Failed(FailureReason.INVALID_SUBJECT, "x")})
         assert not broker_outage({})
 
-    @pytest.mark.parametrize(
-        "reason", [FailureReason.NO_STREAM, FailureReason.TOO_LARGE, FailureReason.INVALID_SUBJECT]
-    )
-    def test_permanent_failure_goes_to_the_cap_at_once(self, reason):
+    @pytest.mark.parametrize("reason", [r for r in FailureReason if r.permanent])
+    def test_a_failure_inside_the_row_makes_it_dead_at_once(self, reason):
         r = row()
         marks = self.decide([r], {r.id: Failed(reason, "never")}, max_attempts=20)
         [mark] = marks.failed

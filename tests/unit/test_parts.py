@@ -55,8 +55,9 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     assert prepared.startswith('prepare "outbox_relay_claim" (integer, integer) as\n')
     assert "%(" not in prepared
     assert prepared.count("$1") == 2  # batch_size: the horizon's offset, the limit
-    # max_attempts: the horizon and the claim with their probes, both walks ahead
-    assert prepared.count("$2") == 6
+    # max_attempts: the horizon and the claim, both walks ahead (the probes for an
+    # earlier waiting row of a subject need none: a dead row waits for good)
+    assert prepared.count("$2") == 4
     assert '"billing"."Outbox"' in prepared
     assert claim_execution(statement, 500, 20).as_string() == (
         'begin; execute "outbox_relay_claim" (500, 20)'
@@ -93,8 +94,15 @@ def test_default_install_uses_the_contract_names():
         (Health(database=True, listening=False, broker=True), "LISTEN connection is down"),
         (Health(database=True, listening=True, broker=False), "NATS is not connected"),
         (
-            Health(database=True, listening=True, broker=True, broker_acking=False),
-            "NATS acknowledges no publish (the rows wait, their attempts untouched)",
+            Health(
+                database=True,
+                listening=True,
+                broker=True,
+                broker_acking=False,
+                broker_problem="no_responders x 3",
+            ),
+            "NATS acknowledges no publish (no_responders x 3): "
+            "the rows wait, their attempts untouched",
         ),
         (Health(database=True, listening=True, broker=True, stopping=True), "shutting down"),
         (Health(setup_problem="no table"), "no table"),

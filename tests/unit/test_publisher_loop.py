@@ -304,7 +304,7 @@ def test_a_broker_that_acknowledges_nothing_is_waited_out_not_hammered():
         # Not ready, and saying why; the same rows tried again after pauses that grow
         # to the 10 s cap (about 7 to 12 tries in 30 s), never in a hot loop.
         assert world.health.not_ready_reason() == (
-            "NATS acknowledges no publish (the rows wait, their attempts untouched)"
+            "NATS acknowledges no publish (timeout x 3): the rows wait, their attempts untouched"
         )
         tries = [t for t, taken in world.table.claims if taken]
         assert 5 <= len(tries) <= 13, tries
