@@ -11,30 +11,28 @@ import pytest
 from relay.backoff import row_retry_delay
 from tests.support import database
 from tests.support.database import Event
-from tests.support.relayproc import wait_until
-from tests.support.stream import DISCARD_NEW, TestStream, run_js
+from tests.support.relayproc import run_cli, wait_until
+from tests.support.stream import TestStream
 
 pytestmark = pytest.mark.integration
 
 
 class RefusingStream:
-    """A second stream whose one subject refuses every new message (max_msgs=1,
-    discard new, already holding one), so publishes to it fail and can be retried
-    until ``accept()`` lifts the limit."""
+    """A second stream whose one subject refuses every event for its size (a
+    max_msg_size smaller than any envelope): a refusal of the message, not the
+    broker's state, so each counts an attempt. ``accept()`` lifts the limit.
+
+    A full stream (max_msgs with discard new) is no vehicle for this: it is the
+    broker's fault, which never counts (test_broker_faults.py)."""
 
     def __init__(self, stream: TestStream) -> None:
         self.stream = stream
-        self.name = f"{stream.name}_FULL"
-        self.subject = f"{stream.prefix}_full.refused"
-        stream.create(self.name, [self.subject], max_msgs=1, discard=DISCARD_NEW)
-
-        async def fill(js):
-            await js.publish(self.subject, b"filler")
-
-        run_js(stream.url, fill)
+        self.name = f"{stream.name}_SMALL"
+        self.subject = f"{stream.prefix}_small.refused"
+        stream.create(self.name, [self.subject], max_msg_size=64)
 
     def accept(self) -> None:
-        self.stream.update(self.name, max_msgs=-1)
+        self.stream.update(self.name, max_msg_size=-1)
 
     def delete(self) -> None:
         self.stream.delete(self.name)
@@ -101,13 +99,13 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
     )
     row = database.rows_by_id(db_url)[row_id]
     assert row["published_at"] is None
-    assert row["relay_retry_at"] is None
-    assert row["relay_last_error"].startswith("other: JetStream refused the message")
+    assert row["holds_subject"]  # dead: waits for good, and holds its subject
+    assert row["relay_last_error"].startswith("refused: JetStream refused the message")
     times = failure_times(relay, row_id)
     assert [attempts for _, attempts in times] == [1, 2, 3, 4, 5]  # the 6th logs as dead
     log = database.fetch(
         db_url,
-        "select attempts, extract(epoch from retry_at - logged_at)::float8, "
+        "select attempts, extract(epoch from nullif(retry_at, 'infinity') - logged_at)::float8, "
         "extract(epoch from logged_at)::float8, extract(epoch from retry_at)::float8 "
         "from attempt_log where id = %s order by logged_at",
         (row_id,),
@@ -118,7 +116,7 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
         # a moment after the mark's, so the stored delay is at most the expected one.
         expected = row_retry_delay(attempts, 0.2, 0.8)
         assert expected - 0.1 < stored_delay <= expected, (attempts, stored_delay)
-    assert log[-1][1] is None  # at the cap: no retry time
+    assert log[-1][1] is None  # at the cap: dead, retried never
     for (_, _, _, retry_at), (attempts, _, tried_at, _) in pairwise(log):
         # Never tried again before the stored retry time.
         assert tried_at > retry_at, (attempts, tried_at, retry_at)
@@ -130,7 +128,7 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
     assert len(dead_lines) == 1
     assert (
         relay.metric(
-            "outbox_relay_publish_failures_total", event_type=event.event_type, reason="other"
+            "outbox_relay_publish_failures_total", event_type=event.event_type, reason="refused"
         )
         == 6
     )
@@ -152,27 +150,41 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
         ("orders..created", "invalid_subject"),
         (".orders", "invalid_subject"),
         ("$JS.API.STREAM.DELETE.X", "invalid_subject"),
-        ("nostream.anywhere.created", "no_stream"),
     ],
 )
-def test_unpublishable_row_goes_to_the_cap_at_once(db_url, stream, start_relay, event_type, reason):
+def test_unpublishable_row_goes_dead_at_once_and_holds_its_subject(
+    db_url, stream, start_relay, event_type, reason
+):
     relay = start_relay(max_attempts=20)
-    bad = Event(event_type, "bad")
-    good = [Event(stream.subject("ok"), "bad") for _ in range(3)]  # same subject: not held up
-    database.insert(db_url, [bad, *good])
-    wait_until(lambda: len(stream.read()) == 3, message="good rows delivered")
+    bad = Event(event_type, "account-1")
+    behind = [Event(stream.subject("ok"), "account-1", {"n": i}) for i in range(3)]
+    other = Event(stream.subject("ok"), "account-2")
+    database.insert_in_order(db_url, [bad, *behind, other], commit_each=True)
+    [message] = wait_until(lambda: stream.read() or None, message="the other subject's row")
+    assert message.msg_id == str(other.id)
+    wait_until(
+        lambda: (
+            relay.metric("outbox_relay_dead_rows") == 1
+            and relay.metric("outbox_relay_held_subjects") == 1
+        ),
+        message="gauges of the dead row and the subject it holds",
+    )
+    passes_after(relay, 5)
+    assert [m.msg_id for m in stream.read()] == [str(other.id)]  # the rows behind wait
     row = database.rows_by_id(db_url)[str(bad.id)]
     assert row["published_at"] is None
     assert row["attempts"] == 20
     assert row["relay_dead_at"] is not None
+    assert row["holds_subject"]
     assert row["relay_last_error"].startswith(reason)
     assert relay.metric("outbox_relay_dead_marked_total", event_type=event_type, reason=reason) == 1
+    assert all(database.rows_by_id(db_url)[str(e.id)]["attempts"] == 0 for e in behind)
 
 
 def test_payload_over_max_payload_goes_to_the_cap_at_once(db_url, stream, start_relay):
     relay = start_relay(max_attempts=20)
     huge = Event(stream.subject("huge"), "s", {"blob": "x" * (1024 * 1024)})
-    fits = Event(stream.subject("huge"), "s", {"blob": "y" * 100_000})
+    fits = Event(stream.subject("huge"), "t", {"blob": "y" * 100_000})
     database.insert(db_url, [huge, fits])
     [message] = wait_until(lambda: stream.read() or None, message="the row that fits")
     assert message.msg_id == str(fits.id)
@@ -296,14 +308,69 @@ def test_failing_row_holds_its_subject_in_a_deep_backlog(db_url, stream, refusin
     assert times == sorted(times)
 
 
-def test_row_at_the_cap_releases_its_subject(db_url, stream, refusing, start_relay):
-    start_relay(backoff_base="100ms", backoff_max="100ms", max_attempts=3, poll_interval="50ms")
+def test_a_dead_row_holds_its_subject_until_requeued_then_goes_first(
+    db_url, stream, refusing, start_relay
+):
+    relay = start_relay(
+        backoff_base="100ms", backoff_max="100ms", max_attempts=3, poll_interval="50ms"
+    )
     failing = Event(refusing.subject, "account-1", {"n": 1})
-    after = Event(stream.subject("ok"), "account-1", {"n": 2})
-    database.insert_in_order(db_url, [failing, after], commit_each=True)
-    [message] = wait_until(lambda: stream.read() or None, message="row behind the dead one")
-    assert message.msg_id == str(after.id)
-    assert database.rows_by_id(db_url)[str(failing.id)]["attempts"] == 3
+    behind = [Event(stream.subject("ok"), "account-1", {"n": n}) for n in (2, 3)]
+    other = Event(stream.subject("ok"), "account-2", {"n": 4})
+    database.insert_in_order(db_url, [failing, *behind, other], commit_each=True)
+    wait_until(
+        lambda: database.rows_by_id(db_url)[str(failing.id)]["attempts"] == 3, message="dead"
+    )
+    wait_until(lambda: len(stream.read()) == 1, message="the other subject's row")
+    passes_after(relay, 5)
+    assert [m.msg_id for m in stream.read()] == [str(other.id)]  # on every pass, they wait
+    status = run_cli(db_url, "status")
+    assert "held subjects" in status
+    assert "account-1" in status
+    assert str(failing.id) in status
+    # The cause fixed, the operator requeues the dead row: it goes first, then the
+    # rows it held, in order.
+    refusing.accept()
+    run_cli(db_url, "requeue", "--id", str(failing.id), "--execute")
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="drain")
+    stored = {m.msg_id: m.stored_at for m in stream.read() + stream.read(refusing.name)}
+    order = [failing, *behind]
+    times = [stored[str(e.id)] for e in order]
+    assert times == sorted(times)
+
+
+def test_skip_keeps_a_dead_row_and_releases_its_subject(db_url, stream, start_relay):
+    relay = start_relay(max_attempts=20, poll_interval="50ms")
+    bad = Event("orders.*", "account-1")  # never publishable
+    behind = [Event(stream.subject("ok"), "account-1", {"n": n}) for n in range(3)]
+    database.insert_in_order(db_url, [bad, *behind], commit_each=True)
+    wait_until(lambda: relay.metric("outbox_relay_held_subjects") == 1, message="held")
+    dry_run = run_cli(db_url, "skip", "--id", str(bad.id))
+    assert "1 rows would be skipped" in dry_run
+    passes_after(relay, 3)
+    assert stream.read() == []
+    run_cli(db_url, "skip", "--id", str(bad.id), "--execute")
+    wait_until(lambda: len(stream.read()) == 3, message="the rows it held")
+    assert [m.msg_id for m in stream.read()] == [str(e.id) for e in behind]
+    row = database.rows_by_id(db_url)[str(bad.id)]
+    assert row["published_at"] is None  # kept, never marked published
+    assert row["relay_skipped_at"] is not None
+    assert not row["holds_subject"]
+    wait_until(
+        lambda: (
+            relay.metric("outbox_relay_skipped_rows") == 1
+            and relay.metric("outbox_relay_dead_rows") == 0
+            and relay.metric("outbox_relay_held_subjects") == 0
+        ),
+        message="gauges",
+    )
+    assert "1 skipped" in run_cli(db_url, "status")
+    # `requeue --all-dead` leaves it alone; only its id brings it back.
+    assert "0 rows would be requeued" in run_cli(db_url, "requeue", "--all-dead")
+    assert "was skipped" in run_cli(db_url, "requeue", "--id", str(bad.id))
+    # Skipping again, or skipping a published row, changes nothing.
+    again = run_cli(db_url, "skip", "--id", str(bad.id), "--id", str(behind[0].id), "--execute")
+    assert "skipped 0 rows" in again
 
 
 def test_backoff_holds_across_a_restart(db_url, refusing, start_relay):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import uuid
 
 import psycopg
@@ -15,22 +13,11 @@ from relay.sqlfiles import Names, query
 from tests.integration.test_failures import RefusingStream
 from tests.support import database
 from tests.support.database import Event
-from tests.support.relayproc import wait_until
+from tests.support.relayproc import cli, wait_until
 from tests.support.servers import throwaway_nats, throwaway_postgres
 from tests.support.stream import TestStream
 
 pytestmark = pytest.mark.integration
-
-
-def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "relay", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={"OUTBOX_RELAY_DATABASE_URL": url, "PATH": "/usr/bin:/bin"},
-    )
 
 
 def test_counters_and_gauges_follow_the_table(db_url, stream, start_relay):

@@ -92,8 +92,12 @@ def execute(url: str, sql: str, params: Iterable[Any] = ()) -> None:
 def rows_by_id(url: str) -> dict[str, dict[str, Any]]:
     with psycopg.connect(url) as conn:
         cur = conn.execute(
-            "select id::text, event_type, subject, published_at, attempts, relay_retry_at, "
-            "relay_last_error, relay_dead_at, created_at from outbox_events"
+            # A dead row waits until 'infinity', which no datetime holds: None here,
+            # and holds_subject says it.
+            "select id::text, event_type, subject, published_at, attempts, "
+            "nullif(relay_retry_at, 'infinity') as relay_retry_at, "
+            "relay_retry_at = 'infinity' as holds_subject, relay_last_error, relay_dead_at, "
+            "relay_skipped_at, created_at from outbox_events"
         )
         cols = [d.name for d in cur.description or ()]
         return {row[0]: dict(zip(cols, row, strict=True)) for row in cur.fetchall()}

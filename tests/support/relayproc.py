@@ -140,3 +140,22 @@ class RelayProcess:
     def close(self) -> None:
         self.kill()
         self.log_path.unlink(missing_ok=True)
+
+
+def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``outbox-relay ARGS`` against the database at ``url``, as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "relay", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"OUTBOX_RELAY_DATABASE_URL": url, "PATH": "/usr/bin:/bin"},
+    )
+
+
+def run_cli(url: str, *args: str) -> str:
+    """What ``outbox-relay ARGS`` printed; it must succeed."""
+    result = cli(url, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
