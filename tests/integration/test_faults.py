@@ -46,6 +46,7 @@ def finish(campaign: Campaign, relay: RelayProcess | None = None) -> Verdict:
     poison rows ends with no row at the cap at all; with them, exactly the poison
     rows are there."""
     campaign.stop()
+    campaign.capture_late_subjects()
     campaign.drain(MAX_ATTEMPTS)
     verdict = campaign.verdict(MAX_ATTEMPTS)
     print("\n" + verdict.summary())
@@ -65,7 +66,7 @@ def finish(campaign: Campaign, relay: RelayProcess | None = None) -> Verdict:
 def campaign(db_url, stream):
     created = Campaign(db_url, stream)
     yield created
-    created.stop()
+    created.close()
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,7 @@ def test_nats_killed_and_restarted(db_url, start_relay):
                 nats.start()
             finish(campaign, relay)
         finally:
-            campaign.stop()
+            campaign.close()
 
 
 def test_nats_too_slow_so_acks_time_out(campaign, start_relay):
@@ -149,7 +150,7 @@ def test_postgres_restarted_and_crashed(stream, start_relay, mode):
             relay.wait_ready(timeout=30)
             finish(campaign, relay)
         finally:
-            campaign.stop()
+            campaign.close()
 
 
 LISTEN_BACKEND = (
@@ -191,7 +192,7 @@ def test_listen_backend_terminated_again_and_again(db_url, stream, start_relay):
         assert relay.metric("outbox_relay_wakeups_total", reason="poll") == 0
         assert relay.metric("outbox_relay_sleeps_total") > 0
     finally:
-        campaign.stop()
+        campaign.close()
 
 
 # The metric that shows the relay noticed a path that went silent.
@@ -360,16 +361,46 @@ def test_poison_rows_in_good_traffic(db_url, stream, start_relay):
     try:
         relay = start_relay(**FAST)
         campaign.wait_for(1500)
+        # Rows of an event type no stream captures yet wait, their attempts untouched,
+        # and the relay says which subject lacks a stream.
+        wait_until(
+            lambda: relay.metric("outbox_relay_subjects_without_stream") == 1,
+            message="the late event type reported",
+        )
+        late = database.fetch(
+            db_url,
+            "select attempts, relay_dead_at is null from outbox_events "
+            "where event_type = %s and published_at is null",
+            (campaign.late_event_type,),
+        )
+        assert late
+        assert all(attempts == 0 and alive for attempts, alive in late), late
+        assert "no stream captures subject" in relay.logs()
+        campaign.capture_late_subjects()
         verdict = finish(campaign, relay)
-        # Every unpublishable row at the cap (finish), and never published; every odd
-        # but valid one in the stream (the verdict's "lost" would name it).
+        # Every unpublishable row dead (finish), then skipped by the operator, and never
+        # published; every odd but valid one in the stream (the verdict's "lost" would
+        # name it), the late ones included; good rows behind dead ones on their subject
+        # published after, in order (the verdict's inversions).
         assert verdict.poison > 0
-        assert campaign.odd & {e.id for e in campaign.committed}
+        committed = {e.id: e for e in campaign.committed}
+        assert campaign.odd & committed.keys()
+        poison = [committed[i] for i in campaign.poison & committed.keys()]
+        assert any(
+            e.subject == p.subject and e.seq > p.seq and e.id not in campaign.poison
+            for p in poison
+            for e in committed.values()
+        )
+        wait_until(
+            lambda: relay.metric("outbox_relay_subjects_without_stream") == 0,
+            message="the late event type captured",
+        )
         reasons = {k for k in relay.metrics() if k.startswith("outbox_relay_dead_marked_total")}
-        for reason in ("invalid_subject", "too_large", "no_stream"):
+        for reason in ("invalid_subject", "too_large"):
             assert any(f'reason="{reason}"' in k for k in reasons), reasons
+        assert not any('reason="no_stream"' in k for k in reasons), reasons
     finally:
-        campaign.stop()
+        campaign.close()
 
 
 def test_mixed_campaign_of_every_fault(start_relay):
@@ -450,6 +481,8 @@ def test_mixed_campaign_of_every_fault(start_relay):
                 step()
                 late.result(timeout=300)
             faults.append("late commit")
+            campaign.capture_late_subjects()
+            faults.append("stream extended late")
             campaign.wait_for(20_000, timeout=300)
             campaign.stop()
             for relay in relays:
@@ -460,3 +493,4 @@ def test_mixed_campaign_of_every_fault(start_relay):
             assert verdict.ok, verdict.summary() + "\n" + verdict.details()
             assert verdict.poison_dead == verdict.poison > 0
             assert verdict.committed >= 20_000
+            campaign.close()

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from relay import operator
+from relay.config import Config
 from tests.support.checker import Committed, RowState, Stored, Verdict, check
 from tests.support.relayproc import wait_until
 from tests.support.stream import TestStream
@@ -24,8 +26,10 @@ create table if not exists campaign_domain (
 
 # Rows that can never be published, and odd but valid ones that must be.
 POISON_TYPES = ["bad subject", "x.*", "a..b", ".lead", "", "$SYS.nope"]
-# Kinds of odd row the poison mix writes that are valid, and so must be published.
-GOOD_KINDS = ("odd", "big_ok")
+# Kinds of odd row the poison mix writes that are valid, and so must be published:
+# "late_stream" rows have an event type no stream captures until the test extends
+# the stream's subjects (capture_late_subjects); until then they wait.
+GOOD_KINDS = ("odd", "big_ok", "late_stream")
 
 
 @dataclass
@@ -61,6 +65,9 @@ class Campaign:
         self.odd: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._operator_stop = threading.Event()
+        self.late_event_type = f"{stream.prefix}_late.updated"
+        self.late_captured = False
         self._producers = [
             Producer(i, [f"entity-{i}-{k}" for k in range(subjects_per_producer)])
             for i in range(producers)
@@ -76,12 +83,53 @@ class Campaign:
             thread = threading.Thread(target=self._produce, args=(producer,), daemon=True)
             thread.start()
             self._threads.append(thread)
+        if self.poison_rate:
+            self._operator = threading.Thread(target=self._operate, daemon=True)
+            self._operator.start()
         return self
 
     def stop(self) -> None:
+        """Stop the producers. The operator goes on until :meth:`close`."""
         self._stop.set()
         for thread in self._threads:
             thread.join(30)
+
+    def close(self) -> None:
+        self.stop()
+        self._operator_stop.set()
+        if self.poison_rate and hasattr(self, "_operator"):
+            self._operator.join(30)
+
+    def capture_late_subjects(self) -> None:
+        """The operator adds the late event type to the stream's subjects, as one does
+        who deployed a new event type before extending the stream."""
+        if not self.late_captured:
+            self.stream.update(
+                self.stream.name, subjects=[f"{self.stream.prefix}.>", f"{self.late_event_type}"]
+            )
+            self.late_captured = True
+
+    def _operate(self) -> None:
+        """The on-call operator: soon after the relay finds a poison row dead (and its
+        subject held behind it), gives up on it with `skip`, so the rows behind it go.
+        Only poison rows: a good row found dead stays dead, for the checker to see."""
+        while not self._operator_stop.wait(0.3):
+            try:
+                self.skip_dead_poison()
+            except psycopg.Error:
+                continue  # the database is down for a fault: try again
+
+    def skip_dead_poison(self) -> int:
+        with psycopg.connect(self.db_url, connect_timeout=3) as conn:
+            rows = conn.execute(
+                "select id::text from outbox_events where published_at is null "
+                "and relay_dead_at is not null and relay_skipped_at is null"
+            ).fetchall()
+        with self._lock:
+            ids = [uuid.UUID(row_id) for (row_id,) in rows if row_id in self.poison]
+        if not ids:
+            return 0
+        return operator.skip(self.db_url, Config(), ids=ids, execute=True).skipped
 
     def record(self, event: Committed) -> None:
         """An event a test committed itself, beside the producers."""
@@ -154,14 +202,14 @@ class Campaign:
     def _poison_row(self, rng: random.Random, subject: str, seq: int) -> tuple[str, str, dict, str]:
         """(kind, event_type, data, source) of a row that can never be published, or
         of an odd one that must be (``GOOD_KINDS``)."""
-        kind = rng.choice(["invalid", "too_large", "no_stream", *GOOD_KINDS])
+        kind = rng.choice(["invalid", "too_large", *GOOD_KINDS])
         data: dict = {"subject": subject, "seq": seq}
         if kind == "invalid":
             return kind, rng.choice(POISON_TYPES), data, "campaign"
         if kind == "too_large":
             return kind, self.event_type, {**data, "blob": "x" * (1024 * 1024 + 10)}, "campaign"
-        if kind == "no_stream":
-            return kind, f"nostream{self.stream.prefix}.x", data, "campaign"
+        if kind == "late_stream":
+            return kind, self.late_event_type, data, "campaign"
         if kind == "odd":
             # Unicode and odd (NUL-free) strings in every text column.
             odd = {**data, "text": "żółć 🚀 \\\" ' \t \u202e"}
@@ -174,16 +222,19 @@ class Campaign:
     def table(self) -> dict[str, RowState]:
         with psycopg.connect(self.db_url) as conn:
             rows = conn.execute(
-                "select id::text, published_at is not null, attempts from outbox_events"
+                "select id::text, published_at is not null, attempts, relay_dead_at is not null, "
+                "relay_skipped_at is not null from outbox_events"
             ).fetchall()
-        return {row_id: RowState(published, attempts) for row_id, published, attempts in rows}
+        return {row_id: RowState(*state) for row_id, *state in rows}
 
     def drain(self, max_attempts: int, timeout: float = 90.0) -> None:
-        """Until no row is left unpublished short of the cap."""
+        """Until every row is published or given up on (dead, or skipped by the
+        operator: each poison row is, and its subject's later rows then go)."""
 
         def drained() -> bool:
             return not any(
-                not r.published and r.attempts < max_attempts for r in self.table().values()
+                not (r.published or r.dead or r.skipped or r.attempts >= max_attempts)
+                for r in self.table().values()
             )
 
         wait_until(drained, timeout, interval=0.2, message="the drain")

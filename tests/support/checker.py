@@ -31,14 +31,16 @@ class Stored:
 class RowState:
     published: bool
     attempts: int
+    dead: bool = False  # the relay gave up on it (relay_dead_at)
+    skipped: bool = False  # an operator gave up on it (relay_skipped_at)
 
 
 @dataclass
 class Verdict:
     """What the history shows. Every list names row ids. A good row (any row that is
-    not poison) must end in the stream; a poison row must end dead and never in the
-    stream. A dead good row is a failure like any other: the relay gave up on an
-    event it could have published."""
+    not poison) must end in the stream; a poison row must end dead (or skipped, once
+    dead, by the operator) and never in the stream. A dead good row is a failure like
+    any other: the relay gave up on an event it could have published."""
 
     committed: int = 0
     stored: int = 0
@@ -106,14 +108,15 @@ def check(
     at_cap = {
         row_id
         for row_id, row in table.items()
-        if not row.published and row.attempts >= max_attempts
+        if not row.published and (row.dead or row.attempts >= max_attempts)
     }
+    given_up = at_cap | {row_id for row_id, row in table.items() if row.skipped}
     # Lost: a good event the stream does not have, whatever the table says (dead,
     # stuck, marked, or gone).
     verdict.lost = sorted(good - in_stream)
     verdict.dead = sorted(good & at_cap)
     verdict.poison = len(bad)
-    verdict.poison_dead = len(bad & at_cap)
+    verdict.poison_dead = len(bad & given_up)
     verdict.poison_published = sorted(bad & in_stream)
     # Unexpected: in the stream but never committed (a rolled-back write, say).
     verdict.unexpected = sorted(in_stream - truth)
@@ -121,9 +124,9 @@ def check(
         row_id for row_id, row in table.items() if row.published and row_id not in in_stream
     )
     verdict.duplicates = sum(count - 1 for count in copies.values())
-    # Stuck: left unpublished short of the cap (a poison row too: it must reach it).
+    # Stuck: left unpublished and not given up on (a poison row too: it must go dead).
     verdict.stuck = sorted(
-        row_id for row_id, row in table.items() if not row.published and row.attempts < max_attempts
+        row_id for row_id, row in table.items() if not row.published and row_id not in given_up
     )
     # Per-subject order in first-publication order: a message whose sequence number
     # is below one already published for its subject came out of order.

@@ -60,6 +60,26 @@ def test_a_poison_row_at_the_cap_is_expected():
     assert (verdict.poison, verdict.poison_dead, verdict.dead) == (1, 1, [])
 
 
+def test_a_poison_row_dead_then_skipped_is_expected_a_skipped_good_row_is_lost():
+    verdict = check(
+        history(("p", "s", 1), ("d", "s", 2), ("g", "s", 3), ("b", "s", 4)),
+        {
+            "p": RowState(False, 5, dead=True, skipped=True),
+            "d": RowState(False, 1, dead=True),  # dead for a reason inside it, short of the cap
+            "g": RowState(False, 0, dead=True, skipped=True),
+            "b": PUBLISHED,
+        },
+        stored(("b", "s", 4)),
+        max_attempts=5,
+        poison={"p"},
+    )
+    assert (verdict.poison, verdict.poison_dead) == (1, 1)
+    assert verdict.dead == ["d"]
+    assert verdict.lost == ["d", "g"]
+    assert verdict.stuck == []
+    assert not verdict.ok
+
+
 def test_a_published_poison_row_fails_the_verdict():
     verdict = check(
         history(("p", "s", 1)),
