@@ -6,20 +6,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from relay.backoff import row_retry_delay
-from relay.model import Acked, Failed, OutboxRow, PublishResult, RowId
+from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult, RowId
 
 
 def broker_outage(results: Mapping[RowId, PublishResult]) -> bool:
     """Whether the broker, not the rows, failed this batch: it acknowledged none of
     the messages sent, and every one that failed failed for the broker's reason
     (:attr:`FailureReason.broker_fault`). Rows rejected before sending (a bad
-    subject, too large) do not count either way.
+    subject, too large) do not count either way, and a subject no stream captures
+    says the broker is up (JetStream answered the question): its rows wait on their
+    own, and the rest of the table goes on.
 
     The publisher then stops claiming and probes, with a pause that grows, instead
     of marking every row of every batch."""
     sent_failures = 0
     for result in results.values():
-        if isinstance(result, Acked):
+        if isinstance(result, Acked) or result.reason is FailureReason.NO_STREAM:
             return False
         if result.reason.broker_fault:
             sent_failures += 1

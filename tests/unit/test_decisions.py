@@ -299,7 +299,9 @@ class TestMarks:
         assert (mark.attempts, mark.retry_delay) == (5, None)
         assert [dead.id for dead, _ in marks.newly_dead] == [r.id]
 
-    @pytest.mark.parametrize("reason", [r for r in FailureReason if r.broker_fault])
+    @pytest.mark.parametrize(
+        "reason", [r for r in FailureReason if r.broker_fault and r is not FailureReason.NO_STREAM]
+    )
     def test_a_batch_the_broker_failed_whole_burns_no_attempt(self, reason):
         # Nothing acked, and every failure one no row can cause: the broker's outage.
         # Even a row on its last attempt is left exactly as it was; a row rejected
@@ -324,6 +326,8 @@ class TestMarks:
         assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.REFUSED, "no")})
         assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.OTHER, "?")})
         assert not broker_outage({a.id: Failed(FailureReason.INVALID_SUBJECT, "x")})
+        # JetStream answered which stream captures the subject: none. Not an outage.
+        assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.NO_STREAM, "none")})
         assert not broker_outage({})
 
     @pytest.mark.parametrize("reason", [r for r in FailureReason if r.permanent])
