@@ -3,7 +3,9 @@ stop or restart its nodes. Each node keeps its store across a restart."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import shutil
 import signal
 import subprocess
@@ -11,7 +13,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
+
 from relay.localservers import free_port, nats_server_binary, wait_for_port
+from tests.support.relayproc import wait_until
+from tests.support.stream import TestStream, run_js
 
 
 class ClusterNode:
@@ -67,6 +73,62 @@ class ThrowawayCluster:
     @property
     def urls(self) -> list[str]:
         return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated, as the relay takes them."""
+        return ",".join(self.urls)
+
+    def r3_stream(self) -> TestStream:
+        """A test stream with a replica on every node, once the cluster can make one
+        (a new cluster elects its meta leader first)."""
+
+        def attempt() -> TestStream | None:
+            try:
+                return TestStream(self.url, num_replicas=3)
+            except Exception:  # noqa: BLE001 - not yet: try again
+                return None
+
+        return wait_until(attempt, timeout=60, message="an R3 stream on the new cluster")
+
+    def leader(self, stream: str) -> ClusterNode:
+        async def action(js: object) -> str:
+            info = await js.stream_info(stream)  # type: ignore[attr-defined]
+            return str(info.cluster.leader)
+
+        return self.node(run_js(self.url, action))
+
+    def step_down(self, stream: str) -> ClusterNode:
+        """Ask the stream's leader to hand over to another replica (again, while a
+        node that just restarted still catches up and the request goes unanswered);
+        the new leader."""
+        before = self.wait_for_leader(stream)
+
+        async def request() -> bool:
+            nc = await nats.connect(self.url.split(","), connect_timeout=5)
+            try:
+                reply = await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=5)
+            except nats.errors.TimeoutError:
+                return False
+            finally:
+                await nc.close()
+            return bool(json.loads(reply.data).get("success"))
+
+        wait_until(lambda: asyncio.run(request()), timeout=60, message="a leader stepdown")
+        return wait_until(
+            lambda: (leader := self.wait_for_leader(stream)) != before and leader,
+            timeout=60,
+            message="another leader",
+        )
+
+    def wait_for_leader(self, stream: str) -> ClusterNode:
+        def found() -> ClusterNode | None:
+            try:
+                return self.leader(stream)
+            except Exception:  # noqa: BLE001 - electing: ask again
+                return None
+
+        return wait_until(found, timeout=60, message=f"a leader for {stream}")
 
     def node(self, name: str) -> ClusterNode:
         return next(node for node in self.nodes if node.name == name)

@@ -32,7 +32,8 @@ class StoredMessage:
 
 
 async def _with_js(url: str, action: Any) -> Any:
-    nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+    # A cluster's URLs come comma-separated, as the relay takes them.
+    nc = await nats.connect(url.split(","), connect_timeout=5, allow_reconnect=False)
     try:
         return await action(nc.jetstream())
     finally:
