@@ -202,7 +202,11 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "longest a batch may wait for broker acks (bounds how long row locks are held)",
         show_duration,
     ),
-    Option("max_attempts", _positive_int, "failed publishes before a row is left alone (dead)"),
+    Option(
+        "max_attempts",
+        _positive_int,
+        "refusals of a row before it is dead (the broker's failures never count)",
+    ),
     Option(
         "backoff_base", _positive_duration, "first retry delay; doubles per attempt", show_duration
     ),

@@ -309,7 +309,9 @@ class Publisher:
                 with trio.move_on_after(delay):
                     await stopping.wait()
                 continue
-            if result.acked:
+            if result.acked or not result.claimed:
+                # An ack; or nothing left to publish (another replica drained what this
+                # one waited on): no outage to report either way.
                 self._health.broker_acking = True
                 self._health.broker_problem = ""
                 broker_backoff.reset()

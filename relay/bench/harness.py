@@ -153,11 +153,12 @@ class Target:
 
     async def add_dead(self, rows: int, attempts: int) -> None:
         """``rows`` rows older than any backlog and at the attempt cap, as an incident
-        leaves them (the relay that starts next marks them dead)."""
+        leaves them (the relay that starts next marks them dead), on subjects of their
+        own: a dead row holds back its subject's later rows, which would never drain."""
         await self.execute(
             "insert into outbox_events (id, event_type, source, subject, time, data, "
             "created_at, attempts, relay_last_error) select gen_random_uuid(), %s, 'bench', "
-            "'s' || (g %% 1000), now(), jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
+            "'dead' || (g %% 1000), now(), jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
             "clock_timestamp() - interval '1 day', %s, 'timeout: an incident' "
             "from generate_series(1, %s::int) g",
             (self.event_type, attempts, rows),

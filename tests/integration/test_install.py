@@ -328,20 +328,24 @@ def test_a_million_rows_of_one_transaction_cost_a_claim_one_batch(db_url):
 
 
 def test_dead_rows_ahead_of_a_backlog_cost_a_claim_nothing(db_url):
-    # An incident's leftovers: 100,000 dead rows older than a 100,000-row backlog.
-    # Dead rows are not in the claim index, so no claim walks past them.
+    # An incident's leftovers: 100,000 dead rows older than a 100,000-row backlog of
+    # other subjects (a dead row holds its own subject's later rows: those wait).
+    # Dead rows are not in the claim index, so no claim walks past them; they are in
+    # the waiting index, which each row's "does an earlier row of its subject wait?"
+    # reads at its own subject.
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute("analyze outbox_events")
         for dead in (True, False):
             conn.execute(
                 """
                 insert into outbox_events (id, event_type, source, subject, time, data,
-                                           created_at, attempts, relay_dead_at)
-                select gen_random_uuid(), 'a.b', 's', 'e' || (g %% 1000), now(), '{}',
-                       clock_timestamp(), case when %s then 20 else 0 end,
-                       case when %s then now() end
+                                           created_at, attempts, relay_dead_at, relay_retry_at)
+                select gen_random_uuid(), 'a.b', 's', case when %s then 'd' else 'e' end
+                       || (g %% 1000), now(), '{}', clock_timestamp(),
+                       case when %s then 20 else 0 end, case when %s then now() end,
+                       case when %s then 'infinity'::timestamptz end
                   from generate_series(1, 100000) g""",
-                (dead, dead),
+                (dead, dead, dead, dead),
             )
     assert_claims_read_about_a_batch_on_stale_then_fresh_statistics(db_url)
 

@@ -41,7 +41,7 @@ def test_counters_and_gauges_follow_the_table(db_url, stream, start_relay):
         assert m[f'outbox_relay_published_total{{event_type="{stream.subject("counted")}"}}'] == 25
         assert (
             m[
-                f'outbox_relay_publish_failures_total{{event_type="{refusing.subject}",reason="other"}}'
+                f'outbox_relay_publish_failures_total{{event_type="{refusing.subject}",reason="refused"}}'
             ]
             == 1
         )
@@ -61,7 +61,7 @@ def test_counters_and_gauges_follow_the_table(db_url, stream, start_relay):
         failure = next(r for r in relay.log_records() if r.get("row_id") == str(stuck.id))
         assert (failure["event_type"], failure["reason"], failure["level"]) == (
             refusing.subject,
-            "other",
+            "refused",
             "warning",
         )
     finally:
@@ -170,6 +170,7 @@ def test_status_table_and_json(db_url, stuck_rows):
         "TYPE",
         "UNPUBLISHED",
         "DEAD",
+        "SKIPPED",
         "BACKING",
         "OFF",
         "OLDEST",
@@ -177,16 +178,22 @@ def test_status_table_and_json(db_url, stuck_rows):
         "ATTEMPTS",
     ]
     orders = next(line for line in lines if line.startswith("orders.created"))
-    assert orders.split()[1:4] == ["3", "2", "1"]
-    assert orders.split()[5] == "20/20"
+    assert orders.split()[1:5] == ["3", "2", "0", "1"]
+    assert orders.split()[6] == "20/20"
     assert "4 unpublished, 3 dead" in result.stdout
     as_json = json.loads(cli(db_url, "status", "--json").stdout)
-    by_type = {entry["event_type"]: entry for entry in as_json}
+    by_type = {entry["event_type"]: entry for entry in as_json["backlog"]}
     assert by_type["orders.created"]["unpublished"] == 3
     assert by_type["orders.created"]["dead"] == 2
     assert by_type["bad type"]["dead"] == 1
     assert by_type["orders.created"]["oldest_age_seconds"] >= 90
     assert by_type["bad type"]["last_error"] == "other: broke dead_b"
+    # Each dead row holds its subject (here one row each, nothing behind them).
+    held = {entry["subject"]: entry for entry in as_json["held"]}
+    assert held.keys() == {"dead_a1", "dead_a2", "dead_b"}
+    assert held["dead_b"]["first_dead_id"] == str(stuck_rows["dead_b"])
+    assert held["dead_b"]["waiting"] == 0
+    assert "held subjects" in result.stdout
 
 
 def test_requeue_is_a_dry_run_until_executed(db_url, stuck_rows):

@@ -319,6 +319,25 @@ def test_a_broker_that_acknowledges_nothing_is_waited_out_not_hammered():
     run(test)
 
 
+def test_a_broker_outage_ends_in_readiness_when_another_relay_drained_the_rows():
+    # While this relay paused after an outage, the broker came back and another
+    # replica published every row: this relay's next claim finds nothing, no ack ever
+    # comes to it, and it must not stay "not ready" for an outage that is over.
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.table.broker_down = True
+        world.table.pending = 3
+        world.wakeup.set("notify")
+        await trio.sleep(5)
+        assert world.health.not_ready_reason() is not None
+        world.table.broker_down = False
+        world.table.pending = 0  # published by the other replica
+        await world.asleep()
+        assert world.health.not_ready_reason() is None
+
+    run(test)
+
+
 def test_stop_interrupts_a_sleep():
     async def main() -> None:
         world = World()
