@@ -32,7 +32,7 @@ from relay.database import Claim
 from relay.envelope import Message, build_message
 from relay.failpoints import Failpoints
 from relay.marks import Marks, decide_marks
-from relay.model import Failed, OutboxRow, PublishResult, RowId
+from relay.model import Failed, FailureReason, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
 
@@ -216,9 +216,10 @@ class Batch:
         for row in sorted(rows, key=lambda r: r.order_key):
             if row.subject in stopped:
                 continue  # behind a row rejected here: unsent, left as it is
-            rejected = UNWRITABLE_TIME if row.time is None else None
-            if rejected is None:
-                message = build_message(row, row.time or "")
+            if row.time is None:
+                rejected: tuple[FailureReason, str] | None = UNWRITABLE_TIME
+            else:
+                message = build_message(row, row.time)
                 rejected = rejection(row.event_type, message.wire_size, max_payload)
             if rejected is not None:
                 results[row.id] = Failed(*rejected)

@@ -7,9 +7,10 @@ import random
 import uuid
 
 import pytest
+from nats.aio.msg import Msg
 
 from relay.backoff import ReconnectBackoff, row_retry_delay
-from relay.broker import short_duplicate_windows
+from relay.broker import parse_ack, short_duplicate_windows
 from relay.envelope import MSG_ID_HEADER, build_message
 from relay.marks import BROKER_FAULT_RETRY_MAX, broker_fault_delay, broker_outage, decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
@@ -362,3 +363,54 @@ def test_sleep_retry_pause_starts_at_zero_and_doubles_to_a_cap():
         [0, 0.001, 0.002, 0.004, 0.008, 0.016, 0.02]
     )
     assert sleep_retry_pause(1000) == 0.02
+
+
+def jetstream_reply(data: bytes, headers: dict[str, str] | None = None) -> Msg:
+    return Msg(_client=None, subject="_INBOX.x.1", data=data, headers=headers)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason"),
+    [
+        # As nats-server 2.9.10 and 2.15.1 send them: a full stream (max_msgs with
+        # discard new), and a message over the stream's max_msg_size.
+        (b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"},'
+         b'"stream":"S","seq":0}', FailureReason.STREAM_UNAVAILABLE),
+        (b'{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum'
+         b' allowed"},"stream":"S","seq":0}', FailureReason.REFUSED),
+        # An err_code known as the stream's state, whatever the status; a 5xx or 429
+        # status, whatever the err_code.
+        (b'{"error":{"code":400,"err_code":10118,"description":"stream is offline"}}',
+         FailureReason.STREAM_UNAVAILABLE),
+        (b'{"error":{"code":429,"err_code":19998,"description":"too many requests"}}',
+         FailureReason.STREAM_UNAVAILABLE),
+        # An error code unknown here, with a 400 status: a refusal of the message.
+        (b'{"error":{"code":400,"err_code":19999,"description":"new in a later server"}}',
+         FailureReason.REFUSED),
+        (b'{"error":"a bare string"}', FailureReason.REFUSED),
+        (b"not json", FailureReason.OTHER),
+    ],
+)  # fmt: skip
+def test_a_jetstream_refusal_is_put_down_to_the_stream_or_the_message(reply, reason):
+    result = parse_ack(jetstream_reply(reply))
+    assert isinstance(result, Failed)
+    assert result.reason is reason
+    assert reason.broker_fault == (reason is FailureReason.STREAM_UNAVAILABLE)
+
+
+def test_no_responders_is_the_brokers_until_jetstream_says_no_stream_captures_it():
+    result = parse_ack(jetstream_reply(b"", {"Status": "503"}))
+    assert isinstance(result, Failed)
+    assert result.reason is FailureReason.NO_RESPONDERS
+    assert result.reason.broker_fault
+    assert FailureReason.NO_STREAM.broker_fault
+    assert parse_ack(jetstream_reply(b'{"stream":"S","seq":7}')) == Acked()
+    assert parse_ack(jetstream_reply(b'{"stream":"S","seq":7,"duplicate":true}')) == Acked(True)
+
+
+def test_every_reason_is_put_down_to_exactly_one_party():
+    # The row's (dead at once), the broker's (never counted), or counted refusals.
+    for reason in FailureReason:
+        assert not (reason.permanent and reason.broker_fault), reason
+    counted = {r for r in FailureReason if not (r.permanent or r.broker_fault)}
+    assert counted == {FailureReason.REFUSED, FailureReason.OTHER}
