@@ -186,8 +186,10 @@ class Relay:
             self.health.database = True
             if report.adopted_dead:
                 log.warning(
-                    "%d rows of %s were at the attempt cap (%d) without being marked dead: "
-                    "marked dead now (`outbox-relay status` lists them, `requeue` retries them)",
+                    "%d rows of %s were at the attempt cap (%d) or dead without holding their "
+                    "subjects: marked dead now, holding back the later rows of their subjects "
+                    "(`outbox-relay status` lists them; `requeue` retries them, `skip` gives "
+                    "up on them)",
                     report.adopted_dead,
                     self.config.table_display,
                     self.config.max_attempts,

@@ -127,7 +127,8 @@ async def translated(doing: str) -> AsyncIterator[None]:
 @dataclass(frozen=True)
 class SetupReport:
     trigger_present: bool
-    # Rows at the cap found without relay_dead_at, and marked dead now.
+    # Rows found at the cap without relay_dead_at, or dead as an earlier version left
+    # them (not holding their subject), and marked dead now (the adopt_dead query).
     adopted_dead: int
 
 

@@ -235,20 +235,40 @@ def test_requeue_by_id_and_all_dead(db_url, stuck_rows):
 
 
 def test_requeued_rows_are_published(db_url, stream, start_relay):
-    # Left at the cap without relay_dead_at (by a relay from before it, or by hand):
-    # the relay marks the row dead when it starts, and requeue brings it back.
-    dead = Event(stream.subject("again"), "x")
-    database.insert(db_url, [dead])
-    database.execute(db_url, "update outbox_events set attempts = 20")
+    # Left at the cap without relay_dead_at (by a relay from before it, or by hand),
+    # or dead as a version from before dead rows held their subjects left it
+    # (relay_retry_at null): the relay marks both dead when it starts, holding their
+    # subjects, and requeue brings them back, each before the row it held.
+    dead = Event(stream.subject("again"), "x", {"n": 1})
+    earlier_dead = Event(stream.subject("again"), "y", {"n": 1})
+    behind = Event(stream.subject("again"), "y", {"n": 2})
+    database.insert_in_order(db_url, [dead, earlier_dead, behind], commit_each=True)
+    database.execute(
+        db_url,
+        "update outbox_events set attempts = 20 where id = %s",
+        (dead.id,),
+    )
+    database.execute(
+        db_url,
+        "update outbox_events set attempts = 3, relay_dead_at = now() where id = %s",
+        (earlier_dead.id,),
+    )
     relay = start_relay(poll_interval="30s", max_attempts=20)
-    assert database.rows_by_id(db_url)[str(dead.id)]["relay_dead_at"] is not None
+    rows = database.rows_by_id(db_url)
+    assert rows[str(dead.id)]["relay_dead_at"] is not None
+    assert rows[str(dead.id)]["holds_subject"]
+    assert rows[str(earlier_dead.id)]["holds_subject"]
     assert any(
-        "1 rows of outbox_events were at the attempt cap (20)" in record["message"]
+        "2 rows of outbox_events were at the attempt cap (20)" in record["message"]
         for record in relay.log_records()
     ), relay.logs()
-    wait_until(lambda: relay.metric("outbox_relay_dead_rows") == 1, message="dead gauge")
-    assert "requeued 1 rows" in cli(db_url, "requeue", "--all-dead", "--execute").stdout
-    wait_until(stream.read, message="requeued row published (woken by requeue)")
+    wait_until(lambda: relay.metric("outbox_relay_dead_rows") == 2, message="dead gauge")
+    assert relay.metric("outbox_relay_held_subjects") == 2
+    assert stream.read() == []  # the row behind waits (the relay started with it there)
+    assert "requeued 2 rows" in cli(db_url, "requeue", "--all-dead", "--execute").stdout
+    wait_until(lambda: len(stream.read()) == 3, message="requeued rows (woken by requeue)")
+    order = [m.msg_id for m in stream.read() if m.msg_id != str(dead.id)]
+    assert order == [str(earlier_dead.id), str(behind.id)]
     assert database.rows_by_id(db_url)[str(dead.id)]["relay_dead_at"] is None
 
 
