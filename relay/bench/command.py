@@ -36,6 +36,10 @@ class Plan:
     cost_seconds: float = 5.0
     # The LISTEN keepalive of the relay frozen asleep: the default, as operators run it.
     frozen_keepalive: float = 10.0
+    # Rows a claim walks past (waiting on the broker, or held behind dead rows), ahead
+    # of a backlog of claim_walk_backlog rows.
+    claim_walk_rows: int = 50_000
+    claim_walk_backlog: int = 10_000
 
     @classmethod
     def quick(cls) -> Plan:
@@ -51,6 +55,8 @@ class Plan:
             plain_drain_rows=500,
             cost_seconds=1.0,
             frozen_keepalive=1.0,
+            claim_walk_rows=2_000,
+            claim_walk_backlog=1_000,
         )
 
 
@@ -170,6 +176,33 @@ async def _drains(plan: Plan, progress: Progress, report: Report, target: Target
                 for shaped, plain in zip(results[f"{key}_rate"], results["drain_rate"], strict=True)
             ],
         )
+
+
+async def _claim_walk(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
+    """What rows the claim cannot take but walks past cost it: rows of a subject no
+    stream captures (each waiting out its retry), and rows held behind dead rows."""
+    rows = plan.claim_walk_rows
+    shapes = {
+        "claim_clear": ("claim of 500 rows, nothing ahead", None),
+        "claim_behind_waiting": (
+            f"claim of 500 rows behind {rows:,} waiting on the broker",
+            target.add_waiting,
+        ),
+        "claim_behind_held": (
+            f"claim of 500 rows behind {rows:,} held by 100 dead rows",
+            target.add_held,
+        ),
+    }
+    for key, (name, add) in shapes.items():
+        values = []
+        for rep in range(plan.repetitions):
+            with progress.step(f"{name} ({rep + 1}/{plan.repetitions})"):
+                await target.reset()
+                if add is not None:
+                    await add(rows)
+                await target.fill(plan.claim_walk_backlog)
+                values.append(await measure.claim_time(target))
+        report.add(key, name, "ms", values)
 
 
 async def _index_cost(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
@@ -331,7 +364,7 @@ async def _frozen_relay(plan: Plan, progress: Progress, report: Report, target: 
 
 async def run_all(target: Target, plan: Plan) -> Report:
     report = Report()
-    progress = Progress(total=plan.repetitions * 23 + 2)
+    progress = Progress(total=plan.repetitions * 26 + 2)
 
     for key, name, what, measurement in (
         ("wake_floor", "floor: LISTEN wake-up, commit to listener", "LISTEN wake-up floor",
@@ -376,6 +409,7 @@ async def run_all(target: Target, plan: Plan) -> Report:
     for rate in (100.0, 1000.0):
         await _latency(plan, progress, report, target, rate=rate, plain=False)
     await _drains(plan, progress, report, target)
+    await _claim_walk(plan, progress, report, target)
     with progress.step(f"relay draining {plan.memory_rows:,} rows of one transaction"):
         await target.reset()
         peak, rate = await measure.drain_memory(target, plan.memory_rows)

@@ -164,6 +164,35 @@ class Target:
             (self.event_type, attempts, rows),
         )
 
+    async def add_waiting(self, rows: int) -> None:
+        """``rows`` rows of an event type no stream captures, each waiting out its
+        retry, as the relay leaves them (its attempts untouched)."""
+        await self.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, "
+            "created_at, relay_retry_at, relay_last_error) select gen_random_uuid(), "
+            "'nostream.created', 'bench', 'waiting' || g, now(), '{}', clock_timestamp(), "
+            "now() + interval '1 hour', 'no_stream: no stream captures the subject' "
+            "from generate_series(1, %s::int) g",
+            (rows,),
+        )
+
+    async def add_held(self, rows: int, dead: int = 100) -> None:
+        """``dead`` dead rows, and ``rows`` rows of their subjects behind them."""
+        await self.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, "
+            "created_at, attempts, relay_dead_at, relay_retry_at, relay_last_error) "
+            "select gen_random_uuid(), %s, 'bench', 'held' || g, now(), '{}', "
+            "clock_timestamp(), 20, now(), 'infinity', 'too_large: an incident' "
+            "from generate_series(1, %s::int) g",
+            (self.event_type, dead),
+        )
+        await self.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, "
+            "created_at) select gen_random_uuid(), %s, 'bench', 'held' || (g %% %s::int + 1), "
+            "now(), '{}', clock_timestamp() from generate_series(1, %s::int) g",
+            (self.event_type, dead, rows),
+        )
+
 
 class Consumer:
     """A core NATS subscription on the stream's subjects, noting arrival times."""

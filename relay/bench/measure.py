@@ -25,6 +25,7 @@ from relay.bench.harness import (
 )
 from relay.config import Config
 from relay.localservers import postgres_binary
+from relay.sqlfiles import Names, query
 
 
 async def wake_floor(target: Target, samples: int, *, with_row: bool = False) -> list[float]:
@@ -96,6 +97,24 @@ async def claim_and_mark_rate(target: Target, rows: int, batch: int = 500) -> fl
             if not ids:
                 break
         return done / (time.perf_counter() - started)
+
+
+async def claim_time(target: Target, samples: int = 7, batch: int = 500) -> float:
+    """Milliseconds one claim of ``batch`` rows takes (the relay's claim statement,
+    rolled back), median of ``samples``, on fresh statistics."""
+    names = Names.for_config(Config())
+    await target.execute("vacuum analyze outbox_events")
+    times = []
+    async with await psycopg.AsyncConnection.connect(target.url) as conn:
+        for _ in range(samples):
+            started = time.perf_counter()
+            cur = await conn.execute(
+                query(names, "claim"), {"batch_size": batch, "max_attempts": Config().max_attempts}
+            )
+            await cur.fetchall()
+            times.append((time.perf_counter() - started) * 1000)
+            await conn.rollback()
+    return sorted(times)[len(times) // 2]
 
 
 async def publish_rate(target: Target, messages: int) -> float:

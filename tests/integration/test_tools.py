@@ -32,7 +32,8 @@ FIGURES = {
     "commits_plain_trigger", "producer_cost_ratio", "plain_trigger_ratio",
     "plain_drain_rate", "plain_latency_100_p50", "plain_latency_100_p99",
     "plain_latency_100_max", "frozen_session_ended", "frozen_ratio_held",
-    "frozen_ratio_after", "frozen_recovered_after",
+    "frozen_ratio_after", "frozen_recovered_after", "claim_clear", "claim_behind_waiting",
+    "claim_behind_held",
 }  # fmt: skip
 
 
