@@ -126,3 +126,21 @@ def test_config_error_names_the_option():
     with pytest.raises(ConfigError) as caught:
         build_config({"batch_size": "-1"}, {}, RUN_OPTIONS)
     assert caught.value.option == "--batch-size"
+
+
+def test_skip_names_its_rows_and_takes_the_operator_options(capsys):
+    # Giving up on rows is never done wholesale: --id is required, and a bad one is
+    # refused before anything connects.
+    with pytest.raises(SystemExit) as exited:
+        main(["skip"], {})
+    assert exited.value.code == 2
+    assert "--id" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["skip", "--id", "not-a-uuid"], {})
+    assert "not a uuid" in capsys.readouterr().err
+    args, config = parse(
+        ["skip", "--id", "0192c8e4-3a51-7c6e-9d0b-5f3e2a1b4c7d", "--max-attempts", "5"], {}
+    )
+    assert [str(i) for i in args.id] == ["0192c8e4-3a51-7c6e-9d0b-5f3e2a1b4c7d"]
+    assert config.max_attempts == 5
+    assert not args.execute
