@@ -135,10 +135,13 @@ class ThrowawayPostgres:
 class ThrowawayNats:
     """A temporary NATS server with JetStream; its store survives a restart."""
 
-    def __init__(self, port: int | None = None, *, sync_always: bool = False) -> None:
+    def __init__(
+        self, port: int | None = None, *, sync_always: bool = False, extra_config: str = ""
+    ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="outbox-relay-nats-"))
         self.port = port or free_port()
         self.sync_always = sync_always
+        self.extra_config = extra_config  # more of the server's configuration file
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -149,7 +152,7 @@ class ThrowawayNats:
         config = self.dir / "nats.conf"
         store = self.dir / "store"
         sync = "\n  sync_interval: always" if self.sync_always else ""
-        config.write_text(f'jetstream {{\n  store_dir: "{store}"{sync}\n}}\n')
+        config.write_text(f'jetstream {{\n  store_dir: "{store}"{sync}\n}}\n{self.extra_config}')
         self.process = subprocess.Popen(
             [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-c", str(config),
              "-l", str(self.dir / "nats.log")],

@@ -136,6 +136,30 @@ def status_json(status: Status) -> str:
     return json.dumps(asdict(status), indent=2) + "\n"
 
 
+def _select_then_change(
+    conninfo: str,
+    config: Config,
+    *,
+    select: str,
+    params: dict[str, Any],
+    change: str,
+    execute: bool,
+) -> tuple[list[tuple[Any, ...]], int]:
+    """One transaction: the rows ``select`` finds (locking them), then, only when
+    ``execute``, ``change`` applied to their ids and the relays woken (they go on at
+    once instead of at their next poll). The rows found and how many changed."""
+    names = Names.for_config(config)
+    with psycopg.connect(conninfo) as conn:
+        found = conn.execute(query(names, select), params).fetchall()
+        changed = 0
+        if execute and found:
+            cursor = conn.execute(query(names, change), {"ids": [r[0] for r in found]})
+            changed = cursor.rowcount
+            conn.execute(query(names, "wake_relays"), {"channel": config.channel})
+        conn.commit()
+    return found, changed
+
+
 @dataclass(frozen=True)
 class RequeueResult:
     matched: list[dict[str, Any]]
@@ -151,30 +175,25 @@ def requeue(
     all_dead: bool,
     execute: bool,
 ) -> RequeueResult:
-    """Select the rows, and reset them only when ``execute``; one transaction."""
-    names = Names.for_config(config)
-    with psycopg.connect(conninfo) as conn:
-        found = conn.execute(
-            query(names, "requeue_select"),
-            {
-                "ids": list(ids),
-                "event_types": list(event_types),
-                "all_dead": all_dead,
-                "max_attempts": config.max_attempts,
-            },
-        ).fetchall()
-        matched = [
-            {"id": str(r[0]), "event_type": r[1], "attempts": r[2], "last_error": r[3],
-             "skipped": r[4]}
-            for r in found
-        ]  # fmt: skip
-        reset = 0
-        if execute and found:
-            cursor = conn.execute(query(names, "requeue_reset"), {"ids": [r[0] for r in found]})
-            reset = cursor.rowcount
-            # Relays waiting for work wake now instead of at their next poll.
-            conn.execute(query(names, "wake_relays"), {"channel": config.channel})
-        conn.commit()
+    """Select the rows, and reset them only when ``execute``."""
+    found, reset = _select_then_change(
+        conninfo,
+        config,
+        select="requeue_select",
+        params={
+            "ids": list(ids),
+            "event_types": list(event_types),
+            "all_dead": all_dead,
+            "max_attempts": config.max_attempts,
+        },
+        change="requeue_reset",
+        execute=execute,
+    )
+    matched = [
+        {"id": str(r[0]), "event_type": r[1], "attempts": r[2], "last_error": r[3],
+         "skipped": r[4]}
+        for r in found
+    ]  # fmt: skip
     return RequeueResult(matched, reset)
 
 
@@ -185,25 +204,21 @@ class SkipResult:
 
 
 def skip(conninfo: str, config: Config, *, ids: Sequence[UUID], execute: bool) -> SkipResult:
-    """Select the rows, and skip them only when ``execute``; one transaction. The
-    select waits for a batch in flight that holds one of them."""
-    names = Names.for_config(config)
-    with psycopg.connect(conninfo) as conn:
-        found = conn.execute(
-            query(names, "skip_select"), {"ids": list(ids), "max_attempts": config.max_attempts}
-        ).fetchall()
-        matched = [
-            {"id": str(r[0]), "event_type": r[1], "subject": r[2], "attempts": r[3],
-             "last_error": r[4], "dead": r[5]}
-            for r in found
-        ]  # fmt: skip
-        skipped = 0
-        if execute and found:
-            cursor = conn.execute(query(names, "skip_mark"), {"ids": [r[0] for r in found]})
-            skipped = cursor.rowcount
-            # The rows they held back can go now: wake the relays.
-            conn.execute(query(names, "wake_relays"), {"channel": config.channel})
-        conn.commit()
+    """Select the rows, and skip them only when ``execute``. The select waits for a
+    batch in flight that holds one of them (it may be publishing it right now)."""
+    found, skipped = _select_then_change(
+        conninfo,
+        config,
+        select="skip_select",
+        params={"ids": list(ids), "max_attempts": config.max_attempts},
+        change="skip_mark",
+        execute=execute,
+    )
+    matched = [
+        {"id": str(r[0]), "event_type": r[1], "subject": r[2], "attempts": r[3],
+         "last_error": r[4], "dead": r[5]}
+        for r in found
+    ]  # fmt: skip
     return SkipResult(matched, skipped)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_faults import FAST, MAX_ATTEMPTS
+from tests.integration.test_faults import FAST, MAX_ATTEMPTS, finish
 from tests.support import database
 from tests.support.campaign import Campaign
 from tests.support.cluster import throwaway_cluster
@@ -75,14 +75,9 @@ def test_leader_lost_stepped_down_and_quorum_lost_kill_and_reorder_nothing(db_ur
                 cluster.start(node)
             wait_until(lambda: published() > before, timeout=120, message="publishing again")
             step()
-            campaign.stop()
-            for relay in relays:
-                wait_until(relay.ready, timeout=60, message="every relay ready again")
-            campaign.drain(MAX_ATTEMPTS, timeout=180)
-            verdict = campaign.verdict(MAX_ATTEMPTS)
-            print(f"\njetstream cluster campaign: {verdict.summary()}")
-            assert verdict.ok, verdict.summary() + "\n" + verdict.details()
+            verdict = finish(
+                campaign, *relays, title="jetstream cluster campaign", drain_timeout=180
+            )
             assert verdict.dead == []
-            assert database.dead_count(db_url, MAX_ATTEMPTS) == 0
         finally:
             campaign.close()

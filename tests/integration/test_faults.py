@@ -41,24 +41,27 @@ def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
 
 
-def finish(campaign: Campaign, relay: RelayProcess | None = None) -> Verdict:
-    """Stop the producers, drain, check, and show the counts. A campaign without
-    poison rows ends with no row at the cap at all; with them, exactly the poison
-    rows are there."""
+def finish(
+    campaign: Campaign, *relays: RelayProcess, title: str = "campaign", drain_timeout: float = 90.0
+) -> Verdict:
+    """Stop the producers, let the relays come back to ready, drain, check, and show
+    the counts. A campaign without poison rows ends with no dead row at all; with
+    them, exactly the poison rows are dead."""
     campaign.stop()
     campaign.capture_late_subjects()
-    campaign.drain(MAX_ATTEMPTS)
+    for relay in relays:
+        assert relay.process is not None
+        assert relay.process.poll() is None, "the relay should still be serving"
+        wait_until(relay.ready, timeout=60, message="every relay ready again")
+    campaign.drain(MAX_ATTEMPTS, timeout=drain_timeout)
     verdict = campaign.verdict(MAX_ATTEMPTS)
-    print("\n" + verdict.summary())
+    print(f"\n{title}: {verdict.summary()}")
     assert verdict.ok, verdict.summary() + "\n" + verdict.details()
     assert verdict.committed > 0
     assert verdict.poison_dead == verdict.poison
     if not campaign.poison_rate:
         assert verdict.poison == 0
         assert database.dead_count(campaign.db_url, MAX_ATTEMPTS) == 0
-    if relay is not None:
-        assert relay.process.poll() is None, "the relay should still be serving"
-        assert relay.ready()
     return verdict
 
 
@@ -486,13 +489,12 @@ def test_mixed_campaign_of_every_fault(start_relay):
                 late.result(timeout=300)
             faults.append("late commit")
             campaign.wait_for(20_000, timeout=300)
-            campaign.stop()
-            for relay in relays:
-                wait_until(relay.ready, timeout=60, message="every relay ready again")
-            campaign.drain(MAX_ATTEMPTS, timeout=120)
-            verdict = campaign.verdict(MAX_ATTEMPTS)
-            print(f"\nmixed campaign, faults: {', '.join(faults)}\n{verdict.summary()}")
-            assert verdict.ok, verdict.summary() + "\n" + verdict.details()
+            verdict = finish(
+                campaign,
+                *relays,
+                title=f"mixed campaign, faults: {', '.join(faults)}",
+                drain_timeout=120,
+            )
             assert verdict.poison_dead == verdict.poison > 0
             assert verdict.committed >= 20_000
             campaign.close()

@@ -6,69 +6,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
-import signal
-import subprocess
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import nats
 
-from relay.localservers import free_port, nats_server_binary, wait_for_port
+from relay.localservers import ThrowawayNats, free_port
 from tests.support.relayproc import wait_until
 from tests.support.stream import TestStream, run_js
 
 
-class ClusterNode:
-    def __init__(self, name: str, directory: Path, port: int, cluster_port: int) -> None:
-        self.name = name
-        self.dir = directory
-        self.port = port
-        self.cluster_port = cluster_port
-        self.process: subprocess.Popen[bytes] | None = None
+class ClusterNode(ThrowawayNats):
+    """One node: a throwaway server with a name and routes to every node."""
 
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None
-
-    def start(self, routes: list[int]) -> None:
-        config = self.dir / "nats.conf"
-        route_urls = ", ".join(f'"nats-route://127.0.0.1:{port}"' for port in routes)
-        config.write_text(
-            f'server_name: "{self.name}"\n'
-            f'jetstream {{\n  store_dir: "{self.dir / "store"}"\n}}\n'
-            f'cluster {{\n  name: "outbox-relay-test"\n  listen: "127.0.0.1:{self.cluster_port}"\n'
-            f"  routes: [{route_urls}]\n}}\n"
+    def __init__(self, name: str, cluster_port: int, route_ports: list[int]) -> None:
+        routes = ", ".join(f'"nats-route://127.0.0.1:{port}"' for port in route_ports)
+        super().__init__(
+            extra_config=(
+                f'server_name: "{name}"\n'
+                f'cluster {{\n  name: "outbox-relay-test"\n'
+                f'  listen: "127.0.0.1:{cluster_port}"\n  routes: [{routes}]\n}}\n'
+            )
         )
-        self.process = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-c", str(config),
-             "-l", str(self.dir / "nats.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        wait_for_port(self.port)
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-            self.process = None
+        self.name = name
 
 
 class ThrowawayCluster:
     """Three JetStream nodes routed to each other, every port on loopback."""
 
     def __init__(self, size: int = 3) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="outbox-relay-cluster-"))
-        self.nodes: list[ClusterNode] = []
-        for index in range(size):
-            directory = self.dir / f"n{index + 1}"
-            directory.mkdir()
-            self.nodes.append(ClusterNode(f"n{index + 1}", directory, free_port(), free_port()))
+        cluster_ports = [free_port() for _ in range(size)]
+        self.nodes = [
+            ClusterNode(f"n{index + 1}", port, cluster_ports)
+            for index, port in enumerate(cluster_ports)
+        ]
 
     @property
     def urls(self) -> list[str]:
@@ -134,14 +104,12 @@ class ThrowawayCluster:
         return next(node for node in self.nodes if node.name == name)
 
     def start(self, node: ClusterNode | None = None) -> None:
-        routes = [n.cluster_port for n in self.nodes]
         for each in [node] if node is not None else self.nodes:
-            each.start(routes)
+            each.start()
 
     def destroy(self) -> None:
         for node in self.nodes:
-            node.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+            node.destroy()
 
 
 @contextlib.contextmanager
