@@ -217,8 +217,8 @@ select event_type,
 
 -- name: held_subjects
 -- `outbox-relay status`: subjects a dead row holds back, the earliest first, with
--- how many live rows wait behind it. Reads the dead rows through the waiting index
--- and the unpublished rows of those subjects.
+-- how many live rows of each wait. Reads the unpublished rows (the contract's
+-- partial index), then those of each held subject.
 with dead as (
   select subject, count(*) as dead, min(created_at) as since,
          (array_agg(id order by created_at, relay_seq))[1] as first_dead,
