@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         sql_command.add_argument(
             "--print", action="store_true", help="write the SQL to stdout instead"
         )
+        if name == "install":
+            sql_command.add_argument(
+                "--grant-to",
+                metavar="ROLE",
+                help="also grant ROLE what `run`, `status`, `requeue` and `skip` need, "
+                "and nothing more (no DDL)",
+            )
         _add_options(sql_command, _options_for(name))
     status = commands.add_parser(
         "status",
@@ -156,16 +163,19 @@ def parse(argv: Sequence[str], environ: Mapping[str, str]) -> tuple[argparse.Nam
 def _sql_command(args: argparse.Namespace, config: Config) -> int:
     names = sqlfiles.Names.for_config(config)
     install = args.command == "install"
+    grant_to = args.grant_to if install else None
     if args.print:
         statements = (
             sqlfiles.install_script(names) if install else [sqlfiles.uninstall_script(names)]
         )
+        if grant_to is not None:
+            statements.append(sqlfiles.grant_script(names, grant_to))
         sys.stdout.write("\n".join(s.as_string() for s in statements) + "\n")
         return 0
     conninfo = database.connection_string(config.database_url)
     try:
         if install:
-            database.install(conninfo, names)
+            database.install(conninfo, names, grant_to)
         else:
             database.uninstall(conninfo, names)
     except psycopg.Error as exc:

@@ -33,6 +33,7 @@ from relay.sqlfiles import (
     Names,
     claim_execution,
     claim_preparation,
+    grant_script,
     install_script,
     query,
     uninstall_script,
@@ -108,6 +109,12 @@ def connection_string(url: str) -> str:
 
 def translate(exc: BaseException, doing: str) -> Exception:
     """The relay's error for a psycopg (or pool) exception raised while ``doing``."""
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        first_line = str(exc).strip().splitlines()[0]
+        return SetupError(
+            f"{doing}: {first_line} (the relay's role lacks a grant it needs: "
+            "`outbox-relay install --grant-to ROLE` grants them)"
+        )
     if isinstance(exc, _SETUP_ERRORS):
         return SetupError(f"{doing}: {exc.__class__.__name__}: {str(exc).strip()}")
     if isinstance(exc, PoolTimeout):
@@ -414,8 +421,9 @@ class Database:
             return cursor.rowcount
 
 
-def install(conninfo: str, names: Names) -> None:
-    """Apply every file in sql/install in one transaction (idempotent)."""
+def install(conninfo: str, names: Names, grant_to: str | None = None) -> None:
+    """Apply every file in sql/install in one transaction (idempotent), and grant
+    ``grant_to`` what a relay running as that role needs."""
     with psycopg.connect(conninfo) as conn, conn.transaction():
         # Two installs at once (a Job retried beside a replica's) must not race on
         # "create ... if not exists"; the lock ends with the transaction.
@@ -426,6 +434,8 @@ def install(conninfo: str, names: Names) -> None:
         conn.execute("set local lock_timeout = '10s'")
         for statement in install_script(names):
             conn.execute(statement)
+        if grant_to is not None:
+            conn.execute(grant_script(names, grant_to))
 
 
 def uninstall(conninfo: str, names: Names) -> None:

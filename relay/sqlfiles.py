@@ -177,6 +177,13 @@ def install_script(names: Names) -> list[sql.Composed]:
     return [names.compose(text) for text in install_files()]
 
 
+def grant_script(names: Names, role: str) -> sql.Composed:
+    """The grants a relay running as ``role`` needs (sql/grant.sql)."""
+    return names.compose(
+        read_sql("grant.sql"), role=sql.Identifier(role), role_name=sql.Literal(role)
+    )
+
+
 def uninstall_script(names: Names) -> sql.Composed:
     return names.compose(read_sql("uninstall.sql"))
 

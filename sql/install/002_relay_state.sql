@@ -115,3 +115,9 @@ begin
   end if;
 end
 $$;
+
+-- Producers' inserts take relay_seq's default, nextval of the sequence, which needs
+-- USAGE on it: a producer role that may insert into the table may number its rows.
+-- Granted to PUBLIC because the sequence is only a counter (anyone's nextval only
+-- burns a number), and a role granted INSERT later needs nothing more.
+grant usage on sequence {seq} to public;

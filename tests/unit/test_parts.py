@@ -20,6 +20,7 @@ from relay.sqlfiles import (
     Names,
     claim_execution,
     claim_preparation,
+    grant_script,
     install_script,
     parse_named_blocks,
     queries,
@@ -76,6 +77,15 @@ def test_configured_names_cannot_break_out_of_their_quotes():
     scripts = " ".join(s.as_string() for s in install_script(names))
     assert "pg_notify('it''s; drop table t', '')" in scripts
     assert "'it's" not in scripts
+
+
+def test_a_role_to_grant_to_cannot_break_out_of_its_quotes():
+    role = "x\"; drop table t; --'$$"
+    script = grant_script(Names.for_config(Config()), role).as_string()
+    assert 'to "x""; drop table t; --\'$$";' in script  # the identifier, quotes doubled
+    assert "'x\"; drop table t; --''$$'" in script  # the literal, outside the $$ block
+    body = script[script.index("do $$") : script.index("\n$$;")]
+    assert "drop table" not in body  # the block reads the role from a setting
 
 
 def test_default_install_uses_the_contract_names():
