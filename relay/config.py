@@ -167,6 +167,9 @@ class Option:
     show: Callable[[Any], str] = str
     # Read from its variable only: no flag, and not in --help or the README's table.
     test_only: bool = False
+    # May come from a file named by its variable + "_FILE" (a mounted secret), read
+    # when neither the flag nor the variable itself is given.
+    secret_file: bool = False
 
     @property
     def flag(self) -> str:
@@ -175,6 +178,10 @@ class Option:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+    @property
+    def env_file(self) -> str:
+        return self.env + "_FILE"
 
 
 def show_duration(seconds: float) -> str:
@@ -185,8 +192,21 @@ def show_duration(seconds: float) -> str:
 
 
 RUN_OPTIONS: tuple[Option, ...] = (
-    Option("database_url", parse_postgres_url, "Postgres URL (libpq URI)", redact_url),
-    Option("nats_url", parse_nats_urls, "NATS server URLs, comma-separated", ",".join),
+    Option(
+        "database_url",
+        parse_postgres_url,
+        "Postgres URL (libpq URI: TLS and client certificates as its sslmode, sslrootcert, "
+        "sslcert, sslkey parameters)",
+        redact_url,
+        secret_file=True,
+    ),
+    Option(
+        "nats_url",
+        parse_nats_urls,
+        "NATS server URLs, comma-separated",
+        lambda urls: ",".join(map(redact_url, urls)),
+        secret_file=True,
+    ),
     Option("table", parse_table_name, "outbox table, optionally schema-qualified", ".".join),
     Option("channel", parse_channel, "LISTEN/NOTIFY channel the insert trigger notifies"),
     Option("batch_size", _positive_int, "rows claimed per pass"),
@@ -239,6 +259,17 @@ RUN_OPTIONS: tuple[Option, ...] = (
 _FIELD_FOR_OPTION = {"nats_url": "nats_urls"}
 
 
+def read_secret_file(variable: str, path: str) -> str:
+    """A setting from a mounted secret: the file's text without its final newline.
+    An error names the variable and the file, never what is in it."""
+    try:
+        with open(path, encoding="utf-8") as secret:
+            return secret.read().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(variable, f"cannot read {path}: {reason}") from None
+
+
 def default_value(option: Option) -> Any:
     return getattr(Config(), _FIELD_FOR_OPTION.get(option.name, option.name))
 
@@ -258,6 +289,13 @@ def build_config(
         if raw is None:
             raw = environ.get(option.env)
             source = option.env
+        if option.secret_file and option.env_file in environ:
+            if raw is not None:
+                raise ConfigError(option.env_file, f"give {source} or {option.env_file}, not both")
+            raw, source = (
+                read_secret_file(option.env_file, environ[option.env_file]),
+                option.env_file,
+            )
         if raw is None:
             continue
         try:

@@ -14,7 +14,10 @@ def options_table() -> str:
         if option.test_only:
             continue
         default = option.show(default_value(option)) or "(none)"
-        lines.append(f"| `{option.flag}` | `{option.env}` | `{default}` | {option.help} |")
+        variable = (
+            f"`{option.env}` (or `{option.env_file}`)" if option.secret_file else f"`{option.env}`"
+        )
+        lines.append(f"| `{option.flag}` | {variable} | `{default}` | {option.help} |")
     return "\n".join(lines)
 
 

@@ -36,11 +36,12 @@ def wait_until(
 
 
 class RelayProcess:
-    def __init__(self, database_url: str, nats_url: str, **settings: Any) -> None:
+    def __init__(self, database_url: str | None, nats_url: str, **settings: Any) -> None:
+        """``database_url`` None: the settings name it some other way (a file)."""
         self.metrics_port = free_port()
         self.env = {
             **os.environ,
-            "OUTBOX_RELAY_DATABASE_URL": database_url,
+            **({"OUTBOX_RELAY_DATABASE_URL": database_url} if database_url else {}),
             "OUTBOX_RELAY_NATS_URL": nats_url,
             "OUTBOX_RELAY_METRICS_HOST": "127.0.0.1",
             "OUTBOX_RELAY_METRICS_PORT": str(self.metrics_port),

@@ -144,3 +144,28 @@ def test_skip_names_its_rows_and_takes_the_operator_options(capsys):
     assert [str(i) for i in args.id] == ["0192c8e4-3a51-7c6e-9d0b-5f3e2a1b4c7d"]
     assert config.max_attempts == 5
     assert not args.execute
+
+
+def test_urls_can_come_from_mounted_secret_files(tmp_path, capsys):
+    secret = tmp_path / "database-url"
+    secret.write_text("postgresql://relay:s3cret-pw@db:5432/app?sslmode=verify-full\n")
+    _, config = parse(["run"], {"OUTBOX_RELAY_DATABASE_URL_FILE": str(secret)})
+    assert config.database_url == "postgresql://relay:s3cret-pw@db:5432/app?sslmode=verify-full"
+    nats = tmp_path / "nats-url"
+    nats.write_text("nats://relay:n4ts-pw@nats-1:4222,nats://relay:n4ts-pw@nats-2:4222")
+    _, config = parse(["run"], {"OUTBOX_RELAY_NATS_URL_FILE": str(nats)})
+    assert config.nats_urls == (
+        "nats://relay:n4ts-pw@nats-1:4222",
+        "nats://relay:n4ts-pw@nats-2:4222",
+    )
+    # Both the variable and its file: which one was meant is unknown, so neither.
+    assert main(["run"], {"OUTBOX_RELAY_DATABASE_URL": "postgresql://x@db/app",
+                          "OUTBOX_RELAY_DATABASE_URL_FILE": str(secret)}) == 2  # fmt: skip
+    assert "not both" in capsys.readouterr().err
+    # A file that cannot be read is named, and what the readable one holds never shown.
+    assert main(["run"], {"OUTBOX_RELAY_DATABASE_URL_FILE": str(tmp_path / "missing")}) == 2
+    err = capsys.readouterr().err
+    assert "OUTBOX_RELAY_DATABASE_URL_FILE" in err
+    assert "No such file" in err
+    # --help shows defaults only, and the NATS URLs redacted however they are given.
+    assert "s3cret" not in build_parser().format_help()
