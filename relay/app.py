@@ -17,7 +17,7 @@ import trio
 from relay import aio
 from relay.backoff import ReconnectBackoff
 from relay.batch import Batch
-from relay.broker import Broker, short_duplicate_windows
+from relay.broker import Broker, NatsAuth, short_duplicate_windows
 from relay.config import Config, redact_url, show_duration
 from relay.database import Database
 from relay.errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SetupError
@@ -43,7 +43,9 @@ class Relay:
         self.wakeup = Wakeup()
         self.stopping = trio.Event()
         self.database = Database(config)
-        self.broker = Broker(config.nats_urls, self._broker_changed)
+        self.broker = Broker(
+            config.nats_urls, self._broker_changed, auth=NatsAuth.from_config(config)
+        )
         self.listener = Listener(
             connect=functools.partial(
                 PostgresListenConnection.connect,

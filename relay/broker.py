@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from collections.abc import Callable, Iterable, Sequence
-from typing import cast
+from dataclasses import dataclass
+from typing import Any, cast
 
 import nats
 import nats.errors
@@ -20,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from relay import aio
-from relay.config import redact_url
+from relay.config import Config, redact_url
 from relay.envelope import Message
 from relay.errors import BrokerUnavailable
 from relay.model import Acked, Failed, FailureReason, PublishResult
@@ -207,15 +209,58 @@ class _AckInbox:
             wave.settle(index, parse_ack(msg))
 
 
+@dataclass(frozen=True)
+class NatsAuth:
+    """How the relay proves who it is to NATS and checks who NATS is (besides a user
+    and password in the URLs, which nats-py reads from there): the relay's
+    configuration, as nats-py's connect options."""
+
+    creds: str | None = None
+    nkey_seed: str | None = None
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Config) -> NatsAuth:
+        return cls(
+            config.nats_creds,
+            config.nats_nkey,
+            config.nats_token,
+            config.nats_tls_ca,
+            config.nats_tls_cert,
+            config.nats_tls_key,
+        )
+
+    def connect_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        if self.creds:
+            options["user_credentials"] = self.creds
+        if self.nkey_seed:
+            options["nkeys_seed"] = self.nkey_seed
+        if self.token:
+            options["token"] = self.token
+        if self.tls_ca or self.tls_cert:
+            # Verifies the server's certificate and its host name, as the default does.
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            options["tls"] = context
+        return options
+
+
 class Broker:
     def __init__(
         self,
         urls: Sequence[str],
         on_connection_change: Callable[[bool], None],
         name: str = "outbox-relay",
+        auth: NatsAuth | None = None,
     ) -> None:
         self._urls = list(urls)
         self._name = name
+        self._auth = auth or NatsAuth()
         self._on_change = on_connection_change
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -266,6 +311,7 @@ class Broker:
                 reconnected_cb=reconnected,
                 error_cb=error,
                 closed_cb=closed,
+                **self._auth.connect_options(),
             )
         except Exception as exc:
             servers = ", ".join(redact_url(u) for u in self._urls)

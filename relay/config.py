@@ -7,6 +7,7 @@ below the command line reads the environment.
 
 from __future__ import annotations
 
+import os
 import re
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -84,6 +85,15 @@ def redact_url(url: str) -> str:
 class Config:
     database_url: str = "postgresql://localhost:5432/postgres"
     nats_urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
+    # How the relay proves who it is to NATS, besides a user and password in the URL.
+    nats_creds: str | None = None  # a credentials file: user JWT and NKey seed
+    nats_nkey: str | None = None  # a file holding an NKey seed
+    nats_token: str | None = None
+    # TLS: the CA to verify the server by (the system's when unset), and a client
+    # certificate and key for servers that verify clients.
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
     table: tuple[str, ...] = ("outbox_events",)
     channel: str = "outbox_events"
     batch_size: int = 500
@@ -111,6 +121,31 @@ class Config:
     @property
     def table_display(self) -> str:
         return ".".join(self.table)
+
+
+def parse_readable_file(text: str) -> str:
+    """A path the relay can read now (a mounted secret or certificate): checked at
+    start, so a wrong path is one clear line rather than a failed connection later."""
+    path = os.path.expanduser(text)
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {text}")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"not readable by this user: {text}")
+    return path
+
+
+def _non_empty(text: str) -> str:
+    if not text:
+        raise ValueError("must not be empty")
+    return text
+
+
+def _shown_path(path: str | None) -> str:
+    return path or ""
+
+
+def _hidden(secret: str | None) -> str:
+    return "***" if secret else ""
 
 
 def _positive_int(text: str) -> int:
@@ -203,10 +238,27 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option(
         "nats_url",
         parse_nats_urls,
-        "NATS server URLs, comma-separated",
+        "NATS server URLs, comma-separated (nats:// or tls://; a user and password in them "
+        "authenticate)",
         lambda urls: ",".join(map(redact_url, urls)),
         secret_file=True,
     ),
+    Option(
+        "nats_creds",
+        parse_readable_file,
+        "NATS credentials file (user JWT and NKey seed, as operator-mode servers issue)",
+        _shown_path,
+    ),
+    Option("nats_nkey", parse_readable_file, "file holding the NATS user's NKey seed", _shown_path),
+    Option("nats_token", _non_empty, "NATS authentication token", _hidden, secret_file=True),
+    Option(
+        "nats_tls_ca",
+        parse_readable_file,
+        "CA file to verify the NATS servers by (the system's CAs when unset)",
+        _shown_path,
+    ),
+    Option("nats_tls_cert", parse_readable_file, "client certificate file for NATS", _shown_path),
+    Option("nats_tls_key", parse_readable_file, "client key file for NATS", _shown_path),
     Option("table", parse_table_name, "outbox table, optionally schema-qualified", ".".join),
     Option("channel", parse_channel, "LISTEN/NOTIFY channel the insert trigger notifies"),
     Option("batch_size", _positive_int, "rows claimed per pass"),
@@ -303,6 +355,8 @@ def build_config(
         except ValueError as exc:
             raise ConfigError(source, str(exc)) from None
     config = Config(**values)
+    if (config.nats_tls_cert is None) != (config.nats_tls_key is None):
+        raise ConfigError("--nats-tls-cert", "give the client certificate and its key together")
     if config.backoff_max < config.backoff_base:
         raise ConfigError("--backoff-max", "must not be shorter than --backoff-base")
     return config

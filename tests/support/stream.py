@@ -31,17 +31,19 @@ class StoredMessage:
         return self.headers.get("Nats-Msg-Id", "")
 
 
-async def _with_js(url: str, action: Any) -> Any:
+async def _with_js(url: str, action: Any, options: dict[str, Any]) -> Any:
     # A cluster's URLs come comma-separated, as the relay takes them.
-    nc = await nats.connect(url.split(","), connect_timeout=5, allow_reconnect=False)
+    nc = await nats.connect(url.split(","), connect_timeout=5, allow_reconnect=False, **options)
     try:
         return await action(nc.jetstream())
     finally:
         await nc.close()
 
 
-def run_js(url: str, action: Any) -> Any:
-    return asyncio.run(_with_js(url, action))
+def run_js(url: str, action: Any, **options: Any) -> Any:
+    """``action(js)`` on a connection to ``url``; ``options`` are nats-py's connect
+    options (TLS, credentials)."""
+    return asyncio.run(_with_js(url, action, options))
 
 
 class TestStream:
@@ -49,8 +51,10 @@ class TestStream:
 
     __test__ = False  # not a test class, despite the name
 
-    def __init__(self, url: str, **limits: Any) -> None:
+    def __init__(self, url: str, connect: dict[str, Any] | None = None, **limits: Any) -> None:
+        """``connect``: nats-py's connect options for a secured server."""
         self.url = url
+        self.connect = connect or {}
         token = uuid.uuid4().hex[:10]
         self.name = f"T{token}"
         self.prefix = f"t{token}"
@@ -63,7 +67,7 @@ class TestStream:
         async def action(js: Any) -> None:
             await js.add_stream(StreamConfig(name=name, subjects=subjects, **limits))
 
-        run_js(self.url, action)
+        run_js(self.url, action, **self.connect)
 
     def update(self, name: str, **changes: Any) -> None:
         async def action(js: Any) -> None:
@@ -73,14 +77,14 @@ class TestStream:
                 setattr(config, key, value)
             await js.update_stream(config)
 
-        run_js(self.url, action)
+        run_js(self.url, action, **self.connect)
 
     def delete(self, name: str | None = None) -> None:
         async def action(js: Any) -> None:
             with contextlib.suppress(nats.js.errors.NotFoundError):
                 await js.delete_stream(name or self.name)
 
-        run_js(self.url, action)
+        run_js(self.url, action, **self.connect)
 
     def read_all(self, name: str | None = None) -> list[StoredMessage]:
         """Every message, in stream order, through one ephemeral pull consumer (fast
@@ -107,7 +111,7 @@ class TestStream:
             await sub.unsubscribe()
             return out
 
-        return run_js(self.url, action)
+        return run_js(self.url, action, **self.connect)
 
     def read(self, name: str | None = None) -> list[StoredMessage]:
         """Every message in the stream, in stream order."""
@@ -130,7 +134,7 @@ class TestStream:
                 seq += 1
             return out
 
-        return run_js(self.url, action)
+        return run_js(self.url, action, **self.connect)
 
 
 DISCARD_NEW = DiscardPolicy.NEW

@@ -32,3 +32,15 @@ def server_certificates(directory: Path) -> Certificates:
              "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "san.cnf",
              cwd=directory)  # fmt: skip
     return Certificates(directory / "ca.crt", directory / "server.crt", directory / "server.key")
+
+
+def client_certificate(directory: Path, server: Certificates, name: str) -> Certificates:
+    """A client certificate for ``name``, signed by ``server``'s CA (for servers that
+    verify their clients)."""
+    key_options = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", *key_options, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", f"/CN={name}", cwd=directory)  # fmt: skip
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(server.ca),
+             "-CAkey", str(server.ca.with_suffix(".key")), "-CAcreateserial",
+             "-out", f"{name}.crt", "-days", "2", cwd=directory)  # fmt: skip
+    return Certificates(server.ca, directory / f"{name}.crt", directory / f"{name}.key")

@@ -203,3 +203,22 @@ def test_batch_histogram_exposes_what_a_prometheus_histogram_would():
     batch.observe_many([])
     batch.observe_many(values[4:])
     assert generate_latest(batch_registry) == generate_latest(reference_registry)
+
+
+def test_nats_auth_becomes_nats_py_connect_options():
+    from relay.broker import NatsAuth  # noqa: PLC0415 - one test's import
+
+    assert NatsAuth().connect_options() == {}
+    options = NatsAuth(creds="/run/secrets/relay.creds", token="t").connect_options()
+    assert options == {"user_credentials": "/run/secrets/relay.creds", "token": "t"}
+    assert NatsAuth(nkey_seed="/s/relay.nk").connect_options() == {"nkeys_seed": "/s/relay.nk"}
+    # TLS (checked against real servers in tests/integration/test_secured_nats.py).
+
+
+def test_nats_secrets_are_never_shown(capsys):
+    from relay.config import RUN_OPTIONS  # noqa: PLC0415
+
+    token = next(o for o in RUN_OPTIONS if o.name == "nats_token")
+    assert token.show("s3cret") == "***"
+    urls = next(o for o in RUN_OPTIONS if o.name == "nats_url")
+    assert urls.show(("nats://u:pw@a:4222", "tls://b:4222")) == "nats://u:***@a:4222,tls://b:4222"
