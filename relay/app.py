@@ -18,7 +18,7 @@ from relay import aio
 from relay.backoff import ReconnectBackoff
 from relay.batch import Batch
 from relay.broker import Broker, NatsAuth, short_duplicate_windows
-from relay.config import Config, redact_url, show_duration
+from relay.config import Config, redact_nats_url, redact_url, show_duration
 from relay.database import Database
 from relay.errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SetupError
 from relay.failpoints import Failpoints
@@ -231,7 +231,7 @@ class Relay:
             "starting: table %s, database %s, NATS %s",
             config.table_display,
             redact_url(config.database_url),
-            ", ".join(redact_url(u) for u in config.nats_urls),
+            ", ".join(redact_nats_url(u) for u in config.nats_urls),
         )
         self.metrics.up.set(1)
         async with aio.open_loop():

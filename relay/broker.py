@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from relay import aio
-from relay.config import Config, redact_url
+from relay.config import Config, redact_nats_url
 from relay.envelope import Message
 from relay.errors import BrokerUnavailable
 from relay.model import Acked, Failed, FailureReason, PublishResult
@@ -287,7 +287,7 @@ class Broker:
 
         async def reconnected() -> None:
             url = self._nc.connected_url if self._nc else None
-            log.info("NATS reconnected to %s", redact_url(url.geturl()) if url else "?")
+            log.info("NATS reconnected to %s", redact_nats_url(url.geturl()) if url else "?")
             self._on_change(True)
 
         async def error(exc: Exception) -> None:
@@ -314,7 +314,7 @@ class Broker:
                 **self._auth.connect_options(),
             )
         except Exception as exc:
-            servers = ", ".join(redact_url(u) for u in self._urls)
+            servers = ", ".join(redact_nats_url(u) for u in self._urls)
             raise BrokerUnavailable(f"cannot connect to NATS at {servers}: {exc}") from exc
         self._js = self._nc.jetstream()
         self._on_change(True)

@@ -81,6 +81,19 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit(parsed._replace(netloc=f"{user}:***@{netloc}"))
 
 
+def redact_nats_url(url: str) -> str:
+    """A NATS URL safe to show: its password replaced, and a user name without a
+    password too, since NATS reads that as a token (nats://TOKEN@host)."""
+    try:
+        parsed = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parsed.username is not None and parsed.password is None:
+        netloc = parsed.netloc.rsplit("@", 1)[1]
+        return urllib.parse.urlunsplit(parsed._replace(netloc=f"***@{netloc}"))
+    return redact_url(url)
+
+
 @dataclass(frozen=True)
 class Config:
     database_url: str = "postgresql://localhost:5432/postgres"
@@ -240,7 +253,7 @@ RUN_OPTIONS: tuple[Option, ...] = (
         parse_nats_urls,
         "NATS server URLs, comma-separated (nats:// or tls://; a user and password in them "
         "authenticate)",
-        lambda urls: ",".join(map(redact_url, urls)),
+        lambda urls: ",".join(map(redact_nats_url, urls)),
         secret_file=True,
     ),
     Option(

@@ -222,3 +222,4 @@ def test_nats_secrets_are_never_shown(capsys):
     assert token.show("s3cret") == "***"
     urls = next(o for o in RUN_OPTIONS if o.name == "nats_url")
     assert urls.show(("nats://u:pw@a:4222", "tls://b:4222")) == "nats://u:***@a:4222,tls://b:4222"
+    assert urls.show(("nats://s3cret-token@a:4222",)) == "nats://***@a:4222"  # a token
