@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Set
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,13 +93,13 @@ class StreamlessSubjects:
         self._subjects: set[str] = set()
         self._set_gauge = set_gauge
 
-    def record(self, results: Iterable[tuple[str, PublishResult]]) -> None:
+    def record(self, published: Iterable[str], without_stream: Set[str]) -> None:
+        """One batch: the subjects it published (a stream captures them now) and those
+        JetStream said no stream captures."""
+        if not self._subjects and not without_stream:
+            return  # the common case: nothing to track, nothing to say
         before = set(self._subjects)
-        for subject, result in results:
-            if isinstance(result, Acked):
-                self._subjects.discard(subject)
-            elif result.reason is FailureReason.NO_STREAM:
-                self._subjects.add(subject)
+        self._subjects = (self._subjects | without_stream) - set(published)
         for subject in sorted(self._subjects - before):
             log.warning(
                 "no stream captures subject %r: its rows wait, their attempts untouched, "
@@ -353,6 +353,7 @@ class Publisher:
         dead = {row.id for row, _ in marks.newly_dead}
         now = time.time()
         published: Counter[str] = Counter()
+        without_stream: set[str] = set()
         latencies: list[float] = []
         duplicates = 0
         for row_id, result in results.items():
@@ -368,6 +369,8 @@ class Publisher:
                 event_type=self._metrics.event_type(row.event_type),
                 reason=result.reason.value,
             ).inc()
+            if result.reason is FailureReason.NO_STREAM:
+                without_stream.add(row.event_type)
             if row_id in dead or outcome.broker_outage or result.reason.broker_fault:
                 continue  # logged below: as a dead row, or once for the batch
             log.warning(
@@ -380,9 +383,7 @@ class Publisher:
                     "attempts": row.attempts + 1,
                 },
             )
-        self._streamless.record(
-            (by_id[row_id].event_type, result) for row_id, result in results.items()
-        )
+        self._streamless.record(published, without_stream)
         if marks.broker_faults:
             event_types = sorted({row.event_type for row, _ in marks.broker_faults})
             log.warning(
