@@ -17,7 +17,7 @@ import trio
 from relay import aio
 from relay.backoff import ReconnectBackoff
 from relay.batch import Batch
-from relay.broker import Broker, NatsAuth, short_duplicate_windows
+from relay.broker import Broker, nats_auth_options, short_duplicate_windows
 from relay.config import Config, redact_nats_url, redact_url, show_duration
 from relay.database import Database
 from relay.errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SetupError
@@ -44,7 +44,7 @@ class Relay:
         self.stopping = trio.Event()
         self.database = Database(config)
         self.broker = Broker(
-            config.nats_urls, self._broker_changed, auth=NatsAuth.from_config(config)
+            config.nats_urls, self._broker_changed, auth_options=nats_auth_options(config)
         )
         self.listener = Listener(
             connect=functools.partial(

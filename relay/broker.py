@@ -10,8 +10,7 @@ import asyncio
 import json
 import logging
 import ssl
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import nats
@@ -209,45 +208,23 @@ class _AckInbox:
             wave.settle(index, parse_ack(msg))
 
 
-@dataclass(frozen=True)
-class NatsAuth:
-    """How the relay proves who it is to NATS and checks who NATS is (besides a user
-    and password in the URLs, which nats-py reads from there): the relay's
-    configuration, as nats-py's connect options."""
-
-    creds: str | None = None
-    nkey_seed: str | None = None
-    token: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-
-    @classmethod
-    def from_config(cls, config: Config) -> NatsAuth:
-        return cls(
-            config.nats_creds,
-            config.nats_nkey,
-            config.nats_token,
-            config.nats_tls_ca,
-            config.nats_tls_cert,
-            config.nats_tls_key,
-        )
-
-    def connect_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {}
-        if self.creds:
-            options["user_credentials"] = self.creds
-        if self.nkey_seed:
-            options["nkeys_seed"] = self.nkey_seed
-        if self.token:
-            options["token"] = self.token
-        if self.tls_ca or self.tls_cert:
-            # Verifies the server's certificate and its host name, as the default does.
-            context = ssl.create_default_context(cafile=self.tls_ca)
-            if self.tls_cert:
-                context.load_cert_chain(self.tls_cert, self.tls_key)
-            options["tls"] = context
-        return options
+def nats_auth_options(config: Config) -> dict[str, Any]:
+    """nats-py's connect options for how the relay proves who it is to NATS and
+    checks who NATS is (a user and password in the URLs nats-py reads by itself)."""
+    options: dict[str, Any] = {}
+    if config.nats_creds:
+        options["user_credentials"] = config.nats_creds
+    if config.nats_nkey:
+        options["nkeys_seed"] = config.nats_nkey
+    if config.nats_token:
+        options["token"] = config.nats_token
+    if config.nats_tls_ca or config.nats_tls_cert:
+        # Verifies the server's certificate and its host name, as the default does.
+        context = ssl.create_default_context(cafile=config.nats_tls_ca)
+        if config.nats_tls_cert:
+            context.load_cert_chain(config.nats_tls_cert, config.nats_tls_key)
+        options["tls"] = context
+    return options
 
 
 class Broker:
@@ -256,11 +233,11 @@ class Broker:
         urls: Sequence[str],
         on_connection_change: Callable[[bool], None],
         name: str = "outbox-relay",
-        auth: NatsAuth | None = None,
+        auth_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._urls = list(urls)
         self._name = name
-        self._auth = auth or NatsAuth()
+        self._auth_options = dict(auth_options or {})
         self._on_change = on_connection_change
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
@@ -311,7 +288,7 @@ class Broker:
                 reconnected_cb=reconnected,
                 error_cb=error,
                 closed_cb=closed,
-                **self._auth.connect_options(),
+                **self._auth_options,
             )
         except Exception as exc:
             servers = ", ".join(redact_nats_url(u) for u in self._urls)

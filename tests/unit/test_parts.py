@@ -206,12 +206,12 @@ def test_batch_histogram_exposes_what_a_prometheus_histogram_would():
 
 
 def test_nats_auth_becomes_nats_py_connect_options():
-    from relay.broker import NatsAuth  # noqa: PLC0415 - one test's import
+    from relay.broker import nats_auth_options  # noqa: PLC0415 - one test's import
 
-    assert NatsAuth().connect_options() == {}
-    options = NatsAuth(creds="/run/secrets/relay.creds", token="t").connect_options()
+    assert nats_auth_options(Config()) == {}
+    options = nats_auth_options(Config(nats_creds="/run/secrets/relay.creds", nats_token="t"))
     assert options == {"user_credentials": "/run/secrets/relay.creds", "token": "t"}
-    assert NatsAuth(nkey_seed="/s/relay.nk").connect_options() == {"nkeys_seed": "/s/relay.nk"}
+    assert nats_auth_options(Config(nats_nkey="/s/relay.nk")) == {"nkeys_seed": "/s/relay.nk"}
     # TLS (checked against real servers in tests/integration/test_secured_nats.py).
 
 
