@@ -237,7 +237,33 @@ class Campaign:
                 for r in self.table().values()
             )
 
-        wait_until(drained, timeout, interval=0.2, message="the drain")
+        try:
+            wait_until(drained, timeout, interval=0.2, message="the drain")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.what_holds_the_drain()}") from None
+
+    def what_holds_the_drain(self) -> str:
+        """For a drain that never ends: the first unpublished row of each subject that
+        still has live rows (what every later row of it waits behind), and whether
+        it was written as poison."""
+        with psycopg.connect(self.db_url) as conn:
+            heads = conn.execute(
+                "select distinct on (subject) subject, id::text, event_type, attempts, "
+                "relay_dead_at is not null, relay_skipped_at is not null, "
+                "relay_retry_at::text, relay_last_error from outbox_events "
+                "where published_at is null and relay_skipped_at is null "
+                "and subject in (select subject from outbox_events where published_at is null "
+                "and relay_dead_at is null) order by subject, created_at, relay_seq"
+            ).fetchall()
+        with self._lock:
+            poison = set(self.poison)
+        lines = [
+            f"  {subject}: first row {row_id} ({event_type!r}, attempts {attempts}, "
+            f"dead {dead}, skipped {skipped}, retry at {retry}, poison {row_id in poison}): "
+            f"{error}"
+            for subject, row_id, event_type, attempts, dead, skipped, retry, error in heads[:20]
+        ]
+        return f"{len(heads)} subjects hold live rows:\n" + "\n".join(lines)
 
     def verdict(self, max_attempts: int) -> Verdict:
         table = self.table()
