@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import re
 import ssl
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -58,6 +61,21 @@ NO_RESPONDERS = Failed(
     FailureReason.NO_RESPONDERS, "no responders: no stream leader answered for the subject"
 )
 NO_STREAM = Failed(FailureReason.NO_STREAM, "no stream captures the subject")
+PERMISSION_DENIED = Failed(
+    FailureReason.PERMISSION_DENIED,
+    "NATS denies the relay's user publishing on the subject (its publish permissions)",
+)
+# The server's -ERR for a publish its permissions deny, as nats-py hands it to the
+# error callback; the server drops the message and sends no ack.
+_PUBLISH_DENIED = re.compile(r'permissions violation for publish.* to "([^"]+)"', re.IGNORECASE)
+
+
+def denied_subject(error: str) -> str | None:
+    """The subject of a publish-permission violation, or None for any other error."""
+    match = _PUBLISH_DENIED.search(error)
+    return match.group(1) if match else None
+
+
 # How long to wait for JetStream to say which stream captures a subject.
 NO_STREAM_QUESTION_TIMEOUT = 1.0
 
@@ -185,13 +203,13 @@ class _AckInbox:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._next = 0
-        self._waiting: dict[str, tuple[_Wave, int]] = {}
+        self._waiting: dict[str, tuple[_Wave, int, str]] = {}
 
-    def expect(self, wave: _Wave, index: int) -> str:
-        """The reply subject for message ``index`` of ``wave``."""
+    def expect(self, wave: _Wave, index: int, subject: str) -> str:
+        """The reply subject for message ``index`` of ``wave``, published on ``subject``."""
         self._next += 1
         token = str(self._next)
-        self._waiting[token] = (wave, index)
+        self._waiting[token] = (wave, index, subject)
         wave.tokens.append(token)
         wave.pending += 1
         return self.prefix + token
@@ -204,8 +222,41 @@ class _AckInbox:
     async def on_reply(self, msg: Msg) -> None:
         entry = self._waiting.pop(msg.subject[len(self.prefix) :], None)
         if entry is not None:
-            wave, index = entry
+            wave, index, _ = entry
             wave.settle(index, parse_ack(msg))
+
+    def deny(self, subject: str) -> None:
+        """Settle every message waiting on ``subject`` as denied: the server dropped
+        them and will send no ack, so waiting would only spend the publish timeout."""
+        denied = [t for t, (_, _, s) in self._waiting.items() if s == subject]
+        for token in denied:
+            wave, index, _ = self._waiting.pop(token)
+            wave.settle(index, PERMISSION_DENIED)
+
+
+class RepeatedWarnings:
+    """Logs a warning the first time it is seen, then at most once per ``every``
+    seconds with how often it came meanwhile: a refused reconnect every half second
+    must not bury the log."""
+
+    def __init__(self, logger: logging.Logger, every: float = 60.0) -> None:
+        self._log = logger
+        self._every = every
+        self._seen: dict[str, tuple[float, int]] = {}  # message: (last logged, since)
+
+    def warn(self, message: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        last, suppressed = self._seen.get(message, (-math.inf, 0))
+        if now - last < self._every:
+            self._seen[message] = (last, suppressed + 1)
+            return
+        self._seen[message] = (now, 0)
+        if suppressed:
+            self._log.warning(
+                "%s (%d more times in the last %.0fs)", message, suppressed, now - last
+            )
+        else:
+            self._log.warning("%s", message)
 
 
 def nats_auth_options(config: Config) -> dict[str, Any]:
@@ -242,6 +293,7 @@ class Broker:
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._acks: _AckInbox | None = None
+        self._warnings = RepeatedWarnings(log)
 
     @property
     def connected(self) -> bool:
@@ -268,7 +320,10 @@ class Broker:
             self._on_change(True)
 
         async def error(exc: Exception) -> None:
-            log.warning("NATS client error: %s", exc)
+            subject = denied_subject(str(exc))
+            if subject is not None and self._acks is not None:
+                self._acks.deny(subject)
+            self._warnings.warn(f"NATS client error: {exc}")
 
         async def closed() -> None:
             self._on_change(False)
@@ -336,7 +391,7 @@ class Broker:
         acks = await self._ack_inbox(nc)
         wave = _Wave(len(messages), loop)
         for index, message in enumerate(messages):
-            reply = acks.expect(wave, index)
+            reply = acks.expect(wave, index, message.subject)
             try:
                 await nc.publish(
                     message.subject, message.body, reply=reply, headers=message.headers

@@ -35,12 +35,17 @@ def free_port() -> int:
         return port
 
 
-def wait_for_port(port: int, timeout: float = 20.0) -> None:
+def wait_for_port(
+    port: int, timeout: float = 20.0, process: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Until something listens on ``port``; fails at once if ``process`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server for port {port} exited with {process.returncode}")
         time.sleep(0.05)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
 
@@ -159,7 +164,12 @@ class ThrowawayNats:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,  # as for Postgres: Ctrl-C is not for the server
         )  # fmt: skip
-        wait_for_port(self.port)
+        try:
+            wait_for_port(self.port, process=self.process)
+        except RuntimeError as exc:
+            log = self.dir / "nats.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{exc}; nats-server says:\n{tail}") from None
 
     def kill(self) -> None:
         if self.process is not None:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from relay.backoff import row_retry_delay
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult, RowId
 
+# Failures that say the broker is up: it answered about this subject.
+_ANSWERED = frozenset({FailureReason.NO_STREAM, FailureReason.PERMISSION_DENIED})
+
 
 def broker_outage(results: Mapping[RowId, PublishResult]) -> bool:
     """Whether the broker, not the rows, failed this batch: it acknowledged none of
@@ -15,13 +18,14 @@ def broker_outage(results: Mapping[RowId, PublishResult]) -> bool:
     (:attr:`FailureReason.broker_fault`). Rows rejected before sending (a bad
     subject, too large) do not count either way, and a subject no stream captures
     says the broker is up (JetStream answered the question): its rows wait on their
-    own, and the rest of the table goes on.
+    own, and the rest of the table goes on. So does a subject the relay's NATS user
+    may not publish on: the server answered, and said so.
 
     The publisher then stops claiming and probes, with a pause that grows, instead
     of marking every row of every batch."""
     sent_failures = 0
     for result in results.values():
-        if isinstance(result, Acked) or result.reason is FailureReason.NO_STREAM:
+        if isinstance(result, Acked) or result.reason in _ANSWERED:
             return False
         if result.reason.broker_fault:
             sent_failures += 1

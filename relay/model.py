@@ -57,6 +57,7 @@ class FailureReason(enum.StrEnum):
     NO_STREAM = "no_stream"  # JetStream confirms that no stream captures the subject
     NO_RESPONDERS = "no_responders"  # a stream captures it but none answered (no leader)
     STREAM_UNAVAILABLE = "stream_unavailable"  # refused for the stream's state: full, offline
+    PERMISSION_DENIED = "permission_denied"  # the relay's NATS user may not publish there
     TOO_LARGE = "too_large"
     INVALID_SUBJECT = "invalid_subject"
     INVALID_TIME = "invalid_time"
@@ -85,6 +86,7 @@ _BROKER_FAULTS = frozenset(
         FailureReason.NO_STREAM,
         FailureReason.NO_RESPONDERS,
         FailureReason.STREAM_UNAVAILABLE,
+        FailureReason.PERMISSION_DENIED,
     }
 )
 

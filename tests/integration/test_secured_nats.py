@@ -1,19 +1,23 @@
 """The relay against NATS servers that authenticate it: mutual TLS with a user and
-password, a token read from a mounted file, an NKey user. Each a throwaway
-nats-server on loopback; the relay publishes through it, and a wrong secret is
-refused without the secret reaching a log line."""
+password, a token read from a mounted file, an NKey user, a credentials file of an
+operator-mode server; and a user with only the README's permissions. Each a
+throwaway nats-server on loopback; the relay publishes through it, and a wrong
+secret is refused without the secret reaching a log line."""
 
 from __future__ import annotations
 
 import os
+import re
 import ssl
 import uuid
+from pathlib import Path
 
 import nkeys
 import pytest
 
 from tests.support import database
 from tests.support.database import Event
+from tests.support.natsjwt import OperatorMode
 from tests.support.relayproc import wait_until
 from tests.support.servers import ThrowawayNats
 from tests.support.stream import TestStream
@@ -113,5 +117,107 @@ def test_an_nkey_user(db_url, start_relay, tmp_path):
         other = tmp_path / "other.nk"
         other.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER) + b"\n")
         refused(start_relay, nats.url, nats_nkey=other)
+    finally:
+        nats.destroy()
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def documented_permissions(subjects: list[str]) -> tuple[list[str], list[str]]:
+    """The README's permission block for the relay's NATS user, as (publish,
+    subscribe) allow lists, with ``subjects`` in place of its example event types."""
+    text = README.read_text()
+    block = text[text.index("<!-- nats-permissions -->") :].split("```")[1]
+    block = re.sub(r"#.*", "", block)
+    publish, subscribe = (
+        re.findall(r'"([^"]+)"', re.search(rf"{kind}:\s*{{\s*allow:\s*\[(.*?)\]", block, re.S)[1])
+        for kind in ("publish", "subscribe")
+    )
+    assert publish[:2] == ["orders.>", "payments.>"], publish
+    return subjects + publish[2:], subscribe
+
+
+def conf_list(items: list[str]) -> str:
+    return "[" + ", ".join(f'"{item}"' for item in items) + "]"
+
+
+def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
+    """The README's block is all the relay needs: it publishes, checks the streams'
+    duplicate windows, and learns that no stream captures a subject. A subject the
+    block does not allow is the broker's refusal: settled at once, never counted."""
+    token = uuid.uuid4().hex[:10]
+    publish, subscribe = documented_permissions([f"t{token}.>", f"x{token}.>"])
+    nats = ThrowawayNats(
+        extra_config=(
+            'authorization {\n  users: [\n    { user: "admin", password: "admin" }\n'
+            '    { user: "relay", password: "relay", permissions: {\n'
+            f"      publish: {{ allow: {conf_list(publish)} }}\n"
+            f"      subscribe: {{ allow: {conf_list(subscribe)} }}\n    }} }}\n  ]\n}}\n"
+        )
+    )
+    try:
+        nats.start()
+        stream = TestStream(f"nats://admin:admin@127.0.0.1:{nats.port}", token=token)
+        relay = publishes_through(
+            db_url, start_relay, stream, f"nats://relay:relay@127.0.0.1:{nats.port}"
+        )
+        assert "could not check the streams' duplicate windows" not in relay.logs()
+        uncaptured = Event(f"x{token}.nowhere", "account-2")
+        denied = Event(f"y{token}.denied", "account-3")
+        database.insert(db_url, [uncaptured, denied])
+        wait_until(
+            lambda: (
+                relay.metric("outbox_relay_subjects_without_stream") == 1
+                and relay.metric(
+                    "outbox_relay_publish_failures_total",
+                    event_type=denied.event_type,
+                    reason="permission_denied",
+                )
+            ),
+            message="the uncaptured subject reported, and the denied one settled as denied",
+        )
+        assert not relay.metric(
+            "outbox_relay_publish_failures_total", event_type=denied.event_type, reason="timeout"
+        )
+        warning = f'permissions violation for publish to "{denied.event_type}"'
+        assert any(warning in r["message"] for r in relay.log_records()), relay.logs()
+        ids = [str(uncaptured.id), str(denied.id)]
+        waiting = database.fetch(
+            db_url,
+            "select attempts, relay_dead_at is null from outbox_events where id = any(%s::uuid[])",
+            (ids,),
+        )
+        assert waiting == [(0, True), (0, True)]
+        database.execute(db_url, "delete from outbox_events where id = any(%s::uuid[])", (ids,))
+    finally:
+        nats.destroy()
+
+
+def test_a_credentials_file_from_an_operator_mode_server(db_url, start_relay, tmp_path):
+    """A user JWT and NKey seed in one file, as `nsc` or Synadia Cloud issue it, for a
+    user of an account that the server trusts through its operator; the user holds
+    the README's permissions. A user of an account the server does not know is
+    refused."""
+    trust = OperatorMode.new()
+    token = uuid.uuid4().hex[:10]
+    publish, subscribe = documented_permissions([f"t{token}.>"])
+    nats = ThrowawayNats(extra_config=trust.server_config())
+    try:
+        nats.start()
+        admin = trust.credentials(tmp_path / "admin.creds", "admin")
+        stream = TestStream(nats.url, connect={"user_credentials": str(admin)}, token=token)
+        creds = trust.credentials(
+            tmp_path / "relay.creds",
+            "relay",
+            {"pub": {"allow": publish}, "sub": {"allow": subscribe}},
+        )
+        relay = publishes_through(db_url, start_relay, stream, nats.url, nats_creds=creds)
+        seed = creds.read_text().split("-----BEGIN USER NKEY SEED-----\n")[1].split("\n")[0]
+        assert seed.startswith("SU")
+        assert seed not in relay.logs()
+        assert "could not check the streams' duplicate windows" not in relay.logs()
+        stranger = OperatorMode.new().credentials(tmp_path / "stranger.creds", "relay")
+        refused(start_relay, nats.url, nats_creds=stranger)
     finally:
         nats.destroy()

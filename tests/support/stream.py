@@ -51,11 +51,18 @@ class TestStream:
 
     __test__ = False  # not a test class, despite the name
 
-    def __init__(self, url: str, connect: dict[str, Any] | None = None, **limits: Any) -> None:
-        """``connect``: nats-py's connect options for a secured server."""
+    def __init__(
+        self,
+        url: str,
+        connect: dict[str, Any] | None = None,
+        token: str | None = None,
+        **limits: Any,
+    ) -> None:
+        """``connect``: nats-py's connect options for a secured server; ``token``
+        names the stream and its subjects (a fresh one when not given)."""
         self.url = url
         self.connect = connect or {}
-        token = uuid.uuid4().hex[:10]
+        token = token or uuid.uuid4().hex[:10]
         self.name = f"T{token}"
         self.prefix = f"t{token}"
         self.create(self.name, [f"{self.prefix}.>"], **limits)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import random
 import uuid
 
@@ -10,7 +12,15 @@ import pytest
 from nats.aio.msg import Msg
 
 from relay.backoff import ReconnectBackoff, row_retry_delay
-from relay.broker import parse_ack, short_duplicate_windows
+from relay.broker import (
+    PERMISSION_DENIED,
+    RepeatedWarnings,
+    _AckInbox,
+    _Wave,
+    denied_subject,
+    parse_ack,
+    short_duplicate_windows,
+)
 from relay.envelope import MSG_ID_HEADER, build_message
 from relay.marks import BROKER_FAULT_RETRY_MAX, broker_fault_delay, broker_outage, decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
@@ -301,7 +311,13 @@ class TestMarks:
         assert [dead.id for dead, _ in marks.newly_dead] == [r.id]
 
     @pytest.mark.parametrize(
-        "reason", [r for r in FailureReason if r.broker_fault and r is not FailureReason.NO_STREAM]
+        "reason",
+        [
+            r
+            for r in FailureReason
+            if r.broker_fault
+            and r not in (FailureReason.NO_STREAM, FailureReason.PERMISSION_DENIED)
+        ],
     )
     def test_a_batch_the_broker_failed_whole_burns_no_attempt(self, reason):
         # Nothing acked, and every failure one no row can cause: the broker's outage.
@@ -329,6 +345,9 @@ class TestMarks:
         assert not broker_outage({a.id: Failed(FailureReason.INVALID_SUBJECT, "x")})
         # JetStream answered which stream captures the subject: none. Not an outage.
         assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.NO_STREAM, "none")})
+        # So did the server that said this user may not publish there.
+        denied = Failed(FailureReason.PERMISSION_DENIED, "denied")
+        assert not broker_outage({a.id: timeout, b.id: denied})
         assert not broker_outage({})
 
     @pytest.mark.parametrize("reason", [r for r in FailureReason if r.permanent])
@@ -414,3 +433,39 @@ def test_every_reason_is_put_down_to_exactly_one_party():
         assert not (reason.permanent and reason.broker_fault), reason
     counted = {r for r in FailureReason if not (r.permanent or r.broker_fault)}
     assert counted == {FailureReason.REFUSED, FailureReason.OTHER}
+
+
+def test_a_publish_the_server_denies_settles_at_once_as_the_brokers():
+    # nats-py hands the server's -ERR to the error callback; no ack ever comes.
+    assert denied_subject('nats: permissions violation for publish to "orders.paid"') == (
+        "orders.paid"
+    )
+    assert denied_subject('nats: Permissions Violation for Publish to "a.b"') == "a.b"
+    assert denied_subject('nats: permissions violation for subscription to "_INBOX.x.*"') is None
+    assert denied_subject("nats: authorization violation") is None
+    loop = asyncio.new_event_loop()
+    try:
+        inbox, wave = _AckInbox("_INBOX.r."), _Wave(3, loop)
+        tokens = [inbox.expect(wave, i, s) for i, s in enumerate(["a", "denied", "denied"])]
+        inbox.deny("denied")
+        assert wave.results == [None, PERMISSION_DENIED, PERMISSION_DENIED]
+        assert not wave.done.done()
+        inbox.deny("denied")  # a second -ERR for the same subject: nothing left to settle
+        assert wave.pending == 1
+        assert tokens[0].startswith("_INBOX.r.")
+        assert PERMISSION_DENIED.reason.broker_fault
+    finally:
+        loop.close()
+
+
+def test_a_warning_repeated_every_half_second_is_logged_once_a_minute(caplog):
+    warnings = RepeatedWarnings(logging.getLogger("test.repeated"), every=60.0)
+    with caplog.at_level(logging.WARNING, logger="test.repeated"):
+        for tick in range(240):  # two minutes of refused reconnects
+            warnings.warn("NATS client error: nats: authorization violation", now=tick * 0.5)
+        warnings.warn("another error", now=120.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "NATS client error: nats: authorization violation",
+        "NATS client error: nats: authorization violation (119 more times in the last 60s)",
+        "another error",
+    ]
