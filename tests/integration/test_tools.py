@@ -47,6 +47,8 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     print(result.stdout)
     document = json.loads(out.read_text())
+    # No server address, so no password or token, in what a user may paste anywhere.
+    assert "://" not in out.read_text()
     assert set(document["figures"]) == FIGURES
     for figure in document["figures"].values():
         assert figure["min"] <= figure["median"] <= figure["max"]

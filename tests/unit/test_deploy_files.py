@@ -38,11 +38,40 @@ def test_kubernetes_manifests_validate():
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") == len(files), result.stdout
+    documents = sum(len(documents_of(Path(f).name)) for f in files)
+    assert result.stdout.count("passed") == documents, result.stdout
+
+
+def documents_of(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
 
 
 def load(name: str) -> dict:
-    return yaml.safe_load((K8S / name).read_text())
+    [document] = documents_of(name)
+    return document
+
+
+def secrets() -> dict[str, dict[str, str]]:
+    return {s["metadata"]["name"]: s["stringData"] for s in documents_of("secret.yaml")}
+
+
+def secret_files(pod: dict) -> dict[str, str]:
+    """The files a pod's containers read secrets from, as {path: the Secret's key},
+    and each path that an OUTBOX_RELAY_* variable names, checked to be one of them."""
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    [container] = pod["containers"]
+    files = {}
+    for mount in container["volumeMounts"]:
+        secret = volumes[mount["name"]]
+        assert secret["defaultMode"] & 0o007 == 0, "secret files readable by others"
+        for key in secrets()[secret["secretName"]]:
+            files[f"{mount['mountPath']}/{key}"] = key
+    for variable in container["env"]:
+        assert variable["name"].startswith("OUTBOX_RELAY_")
+        assert variable["value"] in files, variable
+    assert "secretRef" not in str(container.get("envFrom")), "a secret in the environment"
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
+    return files
 
 
 def test_kubernetes_pieces_fit_together():
@@ -66,12 +95,29 @@ def test_kubernetes_pieces_fit_together():
     assert sources == {"outbox-relay"}
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > parse_duration(config["OUTBOX_RELAY_PUBLISH_TIMEOUT"]) + 5
-    assert "OUTBOX_RELAY_DATABASE_URL" in load("secret.yaml")["stringData"]
-    assert load("job-install.yaml")["spec"]["template"]["spec"]["containers"][0]["args"] == [
-        "install"
-    ]
     listed = set(load("kustomization.yaml")["resources"])
     assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def test_kubernetes_secrets_are_mounted_files_and_install_alone_holds_the_owner_role():
+    deployment, job = load("deployment.yaml"), load("job-install.yaml")
+    relay_files = secret_files(deployment["spec"]["template"]["spec"])
+    install_files = secret_files(job["spec"]["template"]["spec"])
+    relay_env = {
+        e["name"]: e["value"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert set(relay_env) == {"OUTBOX_RELAY_DATABASE_URL_FILE", "OUTBOX_RELAY_NATS_CREDS"}
+    assert set(relay_files.values()) == {"database-url", "nats.creds"}
+    assert set(install_files.values()) == {"database-url"}
+    runtime, owner = secrets()["outbox-relay"], secrets()["outbox-relay-install"]
+    # The relay's pods mount the runtime role's URL; only the Job gets the owner's.
+    runtime_role, owner_role = (
+        re.match(r"postgresql://([^:]+):", s["database-url"])[1] for s in (runtime, owner)
+    )
+    assert runtime_role != owner_role
+    [install] = job["spec"]["template"]["spec"]["containers"]
+    assert install["args"] == ["install", "--grant-to", runtime_role]
 
 
 def test_stream_duplicate_window_covers_the_relay_retries():
