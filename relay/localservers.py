@@ -90,11 +90,7 @@ class ThrowawayPostgres:
         self.log = self.dir / "postgres.log"
         if os.geteuid() == 0:
             os.chown(self.dir, pwd.getpwnam("postgres").pw_uid, -1)
-        subprocess.run(
-            [*_as_postgres_user(), postgres_binary("initdb"), "-D", str(self.data),
-             "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        self._create_data_directory()
         settings = [
             f"port = {self.port}",
             "listen_addresses = '127.0.0.1'",
@@ -107,6 +103,13 @@ class ThrowawayPostgres:
             settings.append("fsync = off")
         with open(self.data / "postgresql.conf", "a") as conf:
             conf.write("\n" + "\n".join(settings) + "\n")
+
+    def _create_data_directory(self) -> None:
+        subprocess.run(
+            [*_as_postgres_user(), postgres_binary("initdb"), "-D", str(self.data),
+             "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"],
+            check=True, capture_output=True,
+        )  # fmt: skip
 
     @property
     def url(self) -> str:

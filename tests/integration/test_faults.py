@@ -19,6 +19,7 @@ import pytest
 from tests.support import database
 from tests.support.campaign import Campaign
 from tests.support.checker import Committed, Verdict
+from tests.support.failover import ThrowawayStandby, failover_url, make_synchronous
 from tests.support.proxy import proxy_to
 from tests.support.relayproc import RelayProcess, wait_until
 from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL, throwaway_nats, throwaway_postgres
@@ -498,3 +499,32 @@ def test_mixed_campaign_of_every_fault(start_relay):
             assert verdict.poison_dead == verdict.poison > 0
             assert verdict.committed >= 20_000
             campaign.close()
+
+
+def test_postgres_failover_to_a_synchronous_standby(start_relay):
+    """Producers and relays on one libpq URL over a primary and its synchronous
+    standby (target_session_attrs=read-write). The primary is killed (-m immediate)
+    under load and the standby promoted: every commit that returned reaches the
+    stream, in order, and nothing rolled back does. The relays' marks commit with
+    synchronous_commit off, so the last ones may be lost with the primary: those
+    rows are published again, and the stream's duplicate window absorbs them."""
+    with throwaway_postgres() as primary, throwaway_nats() as nats:
+        standby = ThrowawayStandby(primary)
+        try:
+            standby.start()
+            make_synchronous(primary, standby)
+            url = failover_url(primary, standby)
+            database.install(url)
+            campaign = Campaign(url, TestStream(nats.url), producers=4).start()
+            relays = [start_relay(database_url=url, nats_url=nats.url, **FAST) for _ in range(2)]
+            campaign.wait_for(1500)
+            primary.stop("immediate")
+            standby.promote()
+            campaign.wait_for(len(campaign.committed) + 1500, timeout=120)
+            verdict = finish(campaign, *relays, title="postgres failover")
+            assert verdict.committed >= 3000
+            republished = sum(r.metric("outbox_relay_duplicate_acks_total") for r in relays)
+            print(f"rows published again after the failover (duplicate acks): {republished:.0f}")
+            campaign.close()
+        finally:
+            standby.destroy()

@@ -1,0 +1,64 @@
+"""A Postgres primary with a synchronous streaming standby, both throwaway, for
+failover tests: the standby is a `pg_basebackup` of the primary that the primary
+waits for at every commit, and that can be promoted when the primary dies."""
+
+from __future__ import annotations
+
+import subprocess
+
+import psycopg
+from psycopg import sql
+
+from relay.localservers import ThrowawayPostgres, _as_postgres_user, postgres_binary
+from tests.support.relayproc import wait_until
+
+
+class ThrowawayStandby(ThrowawayPostgres):
+    def __init__(self, primary: ThrowawayPostgres, name: str = "standby") -> None:
+        self.primary = primary
+        self.name = name
+        super().__init__()
+        with open(self.data / "postgresql.auto.conf", "a") as conf:
+            conf.write(
+                f"primary_conninfo = 'host=127.0.0.1 port={primary.port} user=postgres "
+                f"application_name={name}'\n"
+            )
+
+    def _create_data_directory(self) -> None:
+        # -R: standby.signal, so the copy starts as a standby of the primary.
+        subprocess.run(
+            [*_as_postgres_user(), postgres_binary("pg_basebackup"), "-D", str(self.data),
+             "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres",
+             "-X", "stream", "-R", "--no-sync"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
+    def promote(self) -> None:
+        self._ctl("promote")
+
+
+def make_synchronous(primary: ThrowawayPostgres, standby: ThrowawayStandby) -> None:
+    """Until the primary confirms every commit with the standby before returning it."""
+    with psycopg.connect(primary.url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("alter system set synchronous_standby_names = {}").format(
+                sql.Literal(standby.name)
+            )
+        )
+        conn.execute("select pg_reload_conf()")
+
+    def synchronous() -> bool:
+        with psycopg.connect(primary.url, autocommit=True) as conn:
+            row = conn.execute(
+                "select sync_state from pg_stat_replication where application_name = %s",
+                (standby.name,),
+            ).fetchone()
+        return row == ("sync",)
+
+    wait_until(synchronous, timeout=60, message="the standby synchronous")
+
+
+def failover_url(*servers: ThrowawayPostgres) -> str:
+    """One libpq URL over every server that connects to whichever accepts writes."""
+    hosts = ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    return f"postgresql://postgres@{hosts}/postgres?target_session_attrs=read-write"
