@@ -15,6 +15,7 @@ import signal
 import trio
 
 from relay import aio
+from relay.audit import run_audits
 from relay.backoff import ReconnectBackoff
 from relay.batch import Batch
 from relay.broker import Broker, nats_auth_options, short_duplicate_windows
@@ -219,6 +220,8 @@ class Relay:
         nursery.start_soon(self._poll)
         nursery.start_soon(run_gauges, config, self.database, self.metrics)
         nursery.start_soon(run_retention, config, self.database, self.metrics)
+        if config.audit_interval:
+            nursery.start_soon(run_audits, config, self.broker, self.metrics)
         nursery.start_soon(self._run_publisher)
 
     async def run(

@@ -300,6 +300,11 @@ class Broker:
         return self._nc is not None and self._nc.is_connected
 
     @property
+    def client(self) -> Client | None:
+        """The connection, for the audit's reads (asyncio side); None while down."""
+        return self._nc if self.connected else None
+
+    @property
     def max_payload(self) -> int:
         if self._nc is None:
             raise BrokerUnavailable("not connected to NATS")

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
 
+import nats.errors
 import psycopg
 
-from relay import __version__, app, database, localservers, operator, sqlfiles
-from relay.config import RUN_OPTIONS, Config, Option, build_config, default_value, redact_url
-from relay.errors import ConfigError
+from relay import __version__, app, audit, database, localservers, operator, sqlfiles
+from relay.config import (
+    RUN_OPTIONS,
+    Config,
+    Option,
+    build_config,
+    default_value,
+    parse_duration,
+    redact_url,
+)
+from relay.errors import ConfigError, first_line
 from relay.logs import setup_logging
 
 log = logging.getLogger("relay")
@@ -22,6 +32,11 @@ log = logging.getLogger("relay")
 _SQL_OPTIONS = ("database_url", "table", "channel", "log_level", "log_format")
 _OPERATOR_OPTIONS = (*_SQL_OPTIONS, "max_attempts")
 OPERATOR_COMMANDS = ("status", "requeue", "skip")
+_NATS_OPTIONS = (
+    "nats_url", "nats_creds", "nats_nkey", "nats_token", "nats_tls_ca", "nats_tls_cert",
+    "nats_tls_key",
+)  # fmt: skip
+_AUDIT_OPTIONS = (*_SQL_OPTIONS, *_NATS_OPTIONS, "retention", "audit_window")
 
 
 def _options_for(command: str) -> tuple[Option, ...]:
@@ -29,7 +44,19 @@ def _options_for(command: str) -> tuple[Option, ...]:
         return tuple(o for o in RUN_OPTIONS if o.name in _SQL_OPTIONS)
     if command in OPERATOR_COMMANDS:
         return tuple(o for o in RUN_OPTIONS if o.name in _OPERATOR_OPTIONS)
+    if command == "audit":
+        return tuple(o for o in RUN_OPTIONS if o.name in _AUDIT_OPTIONS)
     return RUN_OPTIONS
+
+
+def _duration(text: str) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("must be longer than zero")
+    return seconds
 
 
 def _uuid(text: str) -> uuid.UUID:
@@ -131,6 +158,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="change the rows (without it, only show what would change)",
     )
     _add_options(skip, _options_for("skip"))
+    audit = commands.add_parser(
+        "audit",
+        help="check that the streams still hold every row marked published in a window; "
+        "exit 1 when some are missing",
+        description="Reads, headers only, what the streams that capture the relay's "
+        "event types hold, and compares it with the rows marked published. A message "
+        "that one of its stream's limits removed is counted apart, not missing. Exit "
+        "status: 0 nothing missing, 1 rows missing (repaired or not), 2 a usage or "
+        "connection error.",
+    )
+    audit.add_argument(
+        "--since",
+        type=_duration,
+        metavar="DURATION",
+        help="how far back to look (default: --audit-window, else --retention)",
+    )
+    audit.add_argument("--json", action="store_true", help="machine-readable output")
+    audit.add_argument(
+        "--repair",
+        action="store_true",
+        help="publish every missing row again, in per-subject order, with its envelope id "
+        "unchanged (consumers dedupe it)",
+    )
+    _add_options(audit, _options_for("audit"))
     bench = commands.add_parser(
         "bench",
         help="measure the relay against Postgres and NATS floors and the plain poller",
@@ -179,8 +230,9 @@ def _sql_command(args: argparse.Namespace, config: Config) -> int:
         else:
             database.uninstall(conninfo, names)
     except psycopg.Error as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.error("%s failed on %s: %s", args.command, redact_url(config.database_url), message)
+        log.error(
+            "%s failed on %s: %s", args.command, redact_url(config.database_url), first_line(exc)
+        )
         return 1
     log.info(
         "%s done on %s (table %s)",
@@ -218,8 +270,9 @@ def _operator_command(args: argparse.Namespace, config: Config) -> int:
             execute=args.execute,
         )
     except psycopg.Error as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.error("%s failed on %s: %s", args.command, redact_url(config.database_url), message)
+        log.error(
+            "%s failed on %s: %s", args.command, redact_url(config.database_url), first_line(exc)
+        )
         return 1
     for row in result.matched:
         note = "  (was skipped: goes out after rows published since)" if row["skipped"] else ""
@@ -233,6 +286,17 @@ def _operator_command(args: argparse.Namespace, config: Config) -> int:
     else:
         print(f"{len(result.matched)} rows would be requeued (dry run: add --execute)")
     return 0
+
+
+def _audit(args: argparse.Namespace, config: Config) -> int:
+    since = args.since or config.audited_window
+    try:
+        report = asyncio.run(audit.audit_once(config, since, repair=args.repair))
+    except (audit.AuditError, psycopg.Error, OSError, nats.errors.Error) as exc:
+        log.error("audit failed: %s", first_line(exc))
+        return 2
+    sys.stdout.write(report.as_json() + "\n" if args.json else report.summary())
+    return 1 if report.missing else 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -274,7 +338,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return _sql_command(args, config)
     if args.command in OPERATOR_COMMANDS:
         return _operator_command(args, config)
-    return app.run(config)
+    return _audit(args, config) if args.command == "audit" else app.run(config)
 
 
 def entry() -> None:

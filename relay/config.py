@@ -118,6 +118,8 @@ class Config:
     retention: float = 7 * 86400.0
     retention_interval: float = 60.0
     retention_batch_size: int = 1000
+    audit_interval: float = 0.0  # 0: the relay does not audit the streams
+    audit_window: float = 0.0  # 0: the retention window
     listen_keepalive: float = 10.0
     gauge_interval: float = 5.0
     metrics_host: str = "0.0.0.0"  # a service's metrics port must be reachable from the scraper
@@ -134,6 +136,11 @@ class Config:
     @property
     def table_display(self) -> str:
         return ".".join(self.table)
+
+    @property
+    def audited_window(self) -> float:
+        """Seconds an audit looks back: ``audit_window``, or the retention window."""
+        return self.audit_window or self.retention
 
 
 def parse_readable_file(text: str) -> str:
@@ -176,6 +183,17 @@ def _positive_duration(text: str) -> float:
     if value <= 0:
         raise ValueError("must be longer than zero")
     return value
+
+
+def _duration_or_off(text: str) -> float:
+    value = parse_duration(text)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _show_or_off(value: float) -> str:
+    return show_duration(value) if value else "0 (off)"
 
 
 def _port(text: str) -> int:
@@ -299,6 +317,19 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("retention", _positive_duration, "how long published rows are kept", show_duration),
     Option("retention_interval", _positive_duration, "how often retention runs", show_duration),
     Option("retention_batch_size", _positive_int, "rows deleted per retention statement"),
+    Option(
+        "audit_interval",
+        _duration_or_off,
+        "how often the relay checks that the streams still hold what it marked published "
+        "(as `outbox-relay audit` does; 0: never)",
+        _show_or_off,
+    ),
+    Option(
+        "audit_window",
+        _duration_or_off,
+        "how far back an audit looks (0: the retention window)",
+        lambda v: show_duration(v) if v else "0 (the retention window)",
+    ),
     Option(
         "listen_keepalive",
         _positive_duration,

@@ -25,7 +25,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from relay import aio
 from relay.config import Config
-from relay.errors import DatabaseUnavailable, SetupError
+from relay.errors import DatabaseUnavailable, SetupError, first_line
 from relay.marks import Marks
 from relay.model import OutboxRow, RowId
 from relay.ordering import OrderKey, earliest_blockers
@@ -110,17 +110,15 @@ def connection_string(url: str) -> str:
 def translate(exc: BaseException, doing: str) -> Exception:
     """The relay's error for a psycopg (or pool) exception raised while ``doing``."""
     if isinstance(exc, psycopg.errors.InsufficientPrivilege):
-        first_line = str(exc).strip().splitlines()[0]
         return SetupError(
-            f"{doing}: {first_line} (the relay's role lacks a grant it needs: "
+            f"{doing}: {first_line(exc)} (the relay's role lacks a grant it needs: "
             "`outbox-relay install --grant-to ROLE` grants them)"
         )
     if isinstance(exc, _SETUP_ERRORS):
         return SetupError(f"{doing}: {exc.__class__.__name__}: {str(exc).strip()}")
     if isinstance(exc, PoolTimeout):
         return DatabaseUnavailable(f"{doing}: no database connection available ({exc})")
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return DatabaseUnavailable(f"{doing}: {exc.__class__.__name__}: {first_line}")
+    return DatabaseUnavailable(f"{doing}: {exc.__class__.__name__}: {first_line(exc)}")
 
 
 @asynccontextmanager

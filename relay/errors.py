@@ -35,3 +35,10 @@ class DatabaseUnavailable(TransientError):
 
 class BrokerUnavailable(TransientError):
     """NATS could not be reached, or the connection broke mid-work."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception as one log line: its message's first line, or its class's name
+    when it has no message (a server's error can run to a dozen lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__

@@ -207,6 +207,28 @@ class Metrics:
             "(read when the relay first connects to NATS)",
             registry=r,
         )
+        self.audit_missing = Gauge(
+            "outbox_relay_audit_missing_rows",
+            "Rows marked published whose message their stream no longer holds, at the last "
+            "audit (--audit-interval)",
+            registry=r,
+        )
+        self.audit_checked = Gauge(
+            "outbox_relay_audit_checked_rows", "Rows the last audit compared", registry=r
+        )
+        self.audit_expired = Gauge(
+            "outbox_relay_audit_expired_rows",
+            "Rows whose message the last audit found removed by its stream's limits",
+            registry=r,
+        )
+        self.audit_last_success = Gauge(
+            "outbox_relay_audit_last_success_timestamp_seconds",
+            "When the last audit finished (unix time)",
+            registry=r,
+        )
+        self.audit_failures = Counter(
+            "outbox_relay_audit_failures", "Audits that could not finish", registry=r
+        )
         self.listen_connected = Gauge(
             "outbox_relay_listen_connected", "1 while the LISTEN connection is up", registry=r
         )

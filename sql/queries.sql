@@ -308,3 +308,33 @@ select count(*)
                                              where datname = current_database())
    and (classid, objid, objsubid) = ({idle_lock_key1}::oid, {idle_lock_key2}::oid, 2)
    and mode = 'ExclusiveLock' and granted and pid <> pg_backend_pid();
+
+-- name: audit_event_types
+-- `outbox-relay audit`: the event types published in the window, to find the
+-- streams that hold them. Walks the published_at index over the window.
+select distinct event_type
+  from {table}
+ where published_at is not null
+   and published_at >= clock_timestamp() - make_interval(secs => %(since)s);
+
+-- name: audit_published
+-- Every row marked published in the window, oldest first (the published_at index),
+-- read through a server-side cursor: a million rows are never held at once.
+select id::text, event_type, subject, extract(epoch from published_at)::float8
+  from {table}
+ where published_at is not null
+   and published_at >= clock_timestamp() - make_interval(secs => %(since)s)
+ order by published_at;
+
+-- name: audit_rows
+-- The missing rows to publish again, rendered as the claim renders them, in
+-- publishing order.
+select id::text, event_type, source, subject,
+       case when time >= '0001-01-01 00:00:00+00' and time < '10000-01-01 00:00:00+00'
+            then to_char(time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+       end as time,
+       data::text as data, extract(epoch from created_at)::float8 as created_at,
+       coalesce(relay_seq, 9223372036854775807) as relay_seq, attempts
+  from {table}
+ where id = any(%(ids)s::text[]::uuid[])
+ order by created_at, relay_seq;

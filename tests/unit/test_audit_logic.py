@@ -1,0 +1,114 @@
+"""The audit's decisions, as pure functions: which row a message id names, when
+an absent message left by a limit, how repairs keep per-subject order."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from relay.audit import (
+    AuditReport,
+    MissingRow,
+    StreamView,
+    message_key,
+    parse_time,
+    removed_by_limits,
+    repair_msg_id,
+    repair_waves,
+)
+from relay.model import OutboxRow
+
+# A stream's info as nats-server 2.15 answers $JS.API.STREAM.INFO (trimmed).
+INFO = {
+    "config": {
+        "name": "EVENTS", "subjects": ["orders.>"], "retention": "limits", "max_consumers": -1,
+        "max_msgs": 1000, "max_bytes": -1, "max_age": 3_600_000_000_000,
+        "max_msgs_per_subject": -1, "discard": "old", "duplicate_window": 120_000_000_000,
+    },
+    "state": {
+        "messages": 1000, "bytes": 250_000, "first_seq": 501, "last_seq": 1500,
+        "first_ts": "2026-12-03T18:00:00.123456789Z", "last_ts": "2026-12-03T18:30:00Z",
+    },
+}  # fmt: skip
+NOW = parse_time("2026-12-03T18:30:00Z")
+
+
+def view(**changes) -> StreamView:
+    info = json.loads(json.dumps(INFO))
+    for key, value in changes.items():
+        (info["state"] if key in info["state"] else info["config"])[key] = value
+    return StreamView.from_info(info)
+
+
+def test_a_stream_info_is_read_as_jetstream_writes_it():
+    stream = view()
+    assert (stream.name, stream.max_age, stream.max_msgs, stream.duplicate_window) == (
+        "EVENTS", 3600.0, 1000, 120.0,
+    )  # fmt: skip
+    assert stream.first_ts == pytest.approx(NOW - 1800 + 0.123456789)
+    assert stream.keeps_what_it_stores
+    assert not view(retention="workqueue").keeps_what_it_stores
+    assert view(messages=0).first_ts is None
+
+
+def test_a_message_id_names_its_row_and_a_repaired_copy_names_the_same_row():
+    row_id = str(uuid.uuid4())
+    copy = repair_msg_id(row_id, NOW)
+    assert copy != row_id
+    assert repair_msg_id(row_id, NOW + 1) != copy
+    assert message_key(row_id) == message_key(copy) == uuid.UUID(row_id).int & (2**64 - 1)
+    assert message_key("not-a-row") is None
+
+
+BEFORE_FRONT = NOW - 1900  # published before the stream's oldest message
+AFTER_FRONT = NOW - 600
+
+
+@pytest.mark.parametrize(
+    ("published_at", "changes", "subject_messages", "removed"),
+    [
+        # A stream at max_msgs (discard old) removes its oldest: before the front, yes.
+        (BEFORE_FRONT, {}, None, True),
+        # ... but a message newer than the front was taken from the middle.
+        (AFTER_FRONT, {}, None, False),
+        # Not at the limit (a purge emptied part of it): no limit accounts for it.
+        (BEFORE_FRONT, {"messages": 400, "max_age": 0}, None, False),
+        # Old enough for max_age.
+        (NOW - 4000, {"messages": 400}, None, True),
+        # discard new never removes a message for max_msgs.
+        (BEFORE_FRONT, {"discard": "new", "max_age": 0}, None, False),
+        # max_bytes, at it.
+        (BEFORE_FRONT, {"max_msgs": -1, "max_age": 0, "max_bytes": 250_000}, None, True),
+        # The subject at max_msgs_per_subject removes that subject's oldest, anywhere.
+        (AFTER_FRONT, {"max_msgs_per_subject": 10}, 10, True),
+        (AFTER_FRONT, {"max_msgs_per_subject": 10}, 3, False),
+        # An emptied stream: only a limit can explain it.
+        (AFTER_FRONT, {"messages": 0, "max_age": 0}, None, False),
+        (NOW - 4000, {"messages": 0}, None, True),
+    ],
+)
+def test_an_absent_message_left_by_a_limit_only_when_one_accounts_for_it(
+    published_at, changes, subject_messages, removed
+):
+    assert removed_by_limits(published_at, NOW, view(**changes), subject_messages) is removed
+
+
+def row(subject: str, n: int) -> OutboxRow:
+    return OutboxRow(str(uuid.uuid4()), "orders.paid", "s", subject, "t", "{}", float(n), n, 0)
+
+
+def test_repairs_go_in_waves_that_keep_each_subjects_order():
+    a1, b1, a2, a3, c1 = row("a", 1), row("b", 2), row("a", 3), row("a", 4), row("c", 5)
+    assert repair_waves([a1, b1, a2, a3, c1]) == [[a1, b1, c1], [a2], [a3]]
+    assert repair_waves([]) == []
+
+
+def test_the_report_lists_every_missing_id_in_json_and_the_first_in_text():
+    report = AuditReport(since=3600, checked=30, streams={"EVENTS": 30})
+    report.missing = [MissingRow(str(i), "orders.paid", "a", NOW, "EVENTS") for i in range(12)]
+    assert json.loads(report.as_json())["missing"] == [str(i) for i in range(12)]
+    text = report.summary()
+    assert "12 missing" in text
+    assert "... and 2 more" in text
