@@ -52,7 +52,10 @@ def finish(
     campaign.capture_late_subjects()
     for relay in relays:
         assert relay.process is not None
-        assert relay.process.poll() is None, "the relay should still be serving"
+        assert relay.process.poll() is None, (
+            f"the relay should still be serving; it exited with {relay.process.returncode}, "
+            f"its log ends:\n{relay.logs()[-4000:]}"
+        )
         wait_until(relay.ready, timeout=60, message="every relay ready again")
     campaign.drain(MAX_ATTEMPTS, timeout=drain_timeout)
     verdict = campaign.verdict(MAX_ATTEMPTS)

@@ -124,9 +124,12 @@ def test_an_nkey_user(db_url, start_relay, tmp_path):
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def documented_permissions(subjects: list[str]) -> tuple[list[str], list[str]]:
+def documented_permissions(
+    subjects: list[str], *, audit: bool = False
+) -> tuple[list[str], list[str]]:
     """The README's permission block for the relay's NATS user, as (publish,
-    subscribe) allow lists, with ``subjects`` in place of its example event types."""
+    subscribe) allow lists, with ``subjects`` in place of its example event types;
+    with ``audit``, and the block the audit adds."""
     text = README.read_text()
     block = text[text.index("<!-- nats-permissions -->") :].split("```")[1]
     block = re.sub(r"#.*", "", block)
@@ -135,6 +138,9 @@ def documented_permissions(subjects: list[str]) -> tuple[list[str], list[str]]:
         for kind in ("publish", "subscribe")
     )
     assert publish[:2] == ["orders.>", "payments.>"], publish
+    if audit:
+        extra = text[text.index("<!-- nats-permissions-audit -->") :].split("```")[1]
+        publish += re.findall(r'"([^"]+)"', re.sub(r"#.*", "", extra))
     return subjects + publish[2:], subscribe
 
 
@@ -148,11 +154,15 @@ def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
     block does not allow is the broker's refusal: settled at once, never counted."""
     token = uuid.uuid4().hex[:10]
     publish, subscribe = documented_permissions([f"t{token}.>", f"x{token}.>"])
+    auditing, _ = documented_permissions([f"t{token}.>"], audit=True)
     nats = ThrowawayNats(
         extra_config=(
             'authorization {\n  users: [\n    { user: "admin", password: "admin" }\n'
             '    { user: "relay", password: "relay", permissions: {\n'
             f"      publish: {{ allow: {conf_list(publish)} }}\n"
+            f"      subscribe: {{ allow: {conf_list(subscribe)} }}\n    }} }}\n"
+            '    { user: "auditing", password: "auditing", permissions: {\n'
+            f"      publish: {{ allow: {conf_list(auditing)} }}\n"
             f"      subscribe: {{ allow: {conf_list(subscribe)} }}\n    }} }}\n  ]\n}}\n"
         )
     )
@@ -190,6 +200,16 @@ def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
         )
         assert waiting == [(0, True), (0, True)]
         database.execute(db_url, "delete from outbox_events where id = any(%s::uuid[])", (ids,))
+        # The audit's block: a relay that audits as a user with both reads the stream.
+        relay.stop()
+        auditor = start_relay(
+            nats_url=f"nats://auditing:auditing@127.0.0.1:{nats.port}", audit_interval="200ms"
+        )
+        wait_until(
+            lambda: auditor.metric("outbox_relay_audit_checked_rows") == 1,
+            message="an audit as the auditing user",
+        )
+        assert auditor.metric("outbox_relay_audit_failures_total") == 0, auditor.logs()
     finally:
         nats.destroy()
 
