@@ -327,7 +327,10 @@ async def audit(
     started = time.monotonic()
     now = time.time()
     report = AuditReport(since=since)
-    cursor = await conn.execute(query(names, "audit_event_types"), {"since": since})
+    cursor = await conn.execute(query(names, "audit_window"), {"since": since})
+    start, end = await cursor.fetchone() or (None, None)
+    window = {"start": start, "end": end}
+    cursor = await conn.execute(query(names, "audit_event_types"), window)
     event_types = [event_type for (event_type,) in await cursor.fetchall()]
     stream_of = await _streams_of(nc, event_types)
     views: dict[str, StreamView] = {}
@@ -342,7 +345,7 @@ async def audit(
     absent: list[MissingRow] = []
     async with conn.cursor(name="outbox_relay_audit") as rows:
         rows.itersize = _CURSOR_ROWS
-        await rows.execute(query(names, "audit_published"), {"since": since})
+        await rows.execute(query(names, "audit_published"), window)
         async for row_id, event_type, subject, published_at in rows:
             stream = stream_of.get(event_type)
             report.checked += 1

@@ -309,21 +309,25 @@ select count(*)
    and (classid, objid, objsubid) = ({idle_lock_key1}::oid, {idle_lock_key2}::oid, 2)
    and mode = 'ExclusiveLock' and granted and pid <> pg_backend_pid();
 
+-- name: audit_window
+-- `outbox-relay audit`: the window, on the database's clock (published_at's). It
+-- ends now, before the streams are read: a row marked after this may have been
+-- stored after the read, and is left to the next audit.
+select clock_timestamp() - make_interval(secs => %(since)s), clock_timestamp();
+
 -- name: audit_event_types
--- `outbox-relay audit`: the event types published in the window, to find the
--- streams that hold them. Walks the published_at index over the window.
+-- The event types published in the window, to find the streams that hold them.
+-- Walks the published_at index over the window.
 select distinct event_type
   from {table}
- where published_at is not null
-   and published_at >= clock_timestamp() - make_interval(secs => %(since)s);
+ where published_at >= %(start)s and published_at < %(end)s;
 
 -- name: audit_published
 -- Every row marked published in the window, oldest first (the published_at index),
 -- read through a server-side cursor: a million rows are never held at once.
 select id::text, event_type, subject, extract(epoch from published_at)::float8
   from {table}
- where published_at is not null
-   and published_at >= clock_timestamp() - make_interval(secs => %(since)s)
+ where published_at >= %(start)s and published_at < %(end)s
  order by published_at;
 
 -- name: audit_rows

@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -136,3 +138,30 @@ def test_the_relay_audits_on_its_own_and_reports_what_is_missing(db_url, stream,
         "missing from their streams" in r["message"] and lost.msg_id in r["message"]
         for r in relay.log_records()
     ), relay.logs()
+
+
+def test_an_audit_beside_a_busy_relay_finds_nothing_missing(db_url, stream, start_relay):
+    """Rows are marked while the audit reads: one marked after the audit read its
+    stream must wait for the next audit, not be reported missing."""
+    relay = start_relay(audit_interval="200ms")
+    stop = threading.Event()
+
+    def produce() -> None:
+        while not stop.is_set():
+            database.insert(db_url, [Event(stream.subject("busy"), f"e-{i}") for i in range(20)])
+            time.sleep(0.005)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    audits: set[float] = set()
+    try:
+
+        def audited_five_times() -> bool:
+            assert relay.metric("outbox_relay_audit_missing_rows") == 0, relay.logs()
+            audits.add(relay.metric("outbox_relay_audit_last_success_timestamp_seconds"))
+            return len(audits - {0.0}) >= 5 and relay.metric("outbox_relay_audit_checked_rows") > 0
+
+        wait_until(audited_five_times, interval=0.05, message="five audits under load")
+    finally:
+        stop.set()
+        producer.join(10)
