@@ -234,6 +234,9 @@ class _AckInbox:
             wave.settle(index, PERMISSION_DENIED)
 
 
+_WARNINGS_KEPT = 1000
+
+
 class RepeatedWarnings:
     """Logs a warning the first time it is seen, then at most once per ``every``
     seconds with how often it came meanwhile: a refused reconnect every half second
@@ -246,6 +249,8 @@ class RepeatedWarnings:
 
     def warn(self, message: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        if len(self._seen) > _WARNINGS_KEPT:
+            self._seen.clear()  # many distinct messages: each is news anyway
         last, suppressed = self._seen.get(message, (-math.inf, 0))
         if now - last < self._every:
             self._seen[message] = (last, suppressed + 1)
