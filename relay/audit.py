@@ -332,6 +332,7 @@ async def audit(
     window = {"start": start, "end": end}
     cursor = await conn.execute(query(names, "audit_event_types"), window)
     event_types = [event_type for (event_type,) in await cursor.fetchall()]
+    await conn.commit()  # no transaction open while the streams are read
     stream_of = await _streams_of(nc, event_types)
     views: dict[str, StreamView] = {}
     keys: dict[str, set[int]] = {}
