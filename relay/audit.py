@@ -445,30 +445,58 @@ async def audit_once(
 ) -> AuditReport:
     """One audit on a database connection of its own, and on ``nc`` (the relay's
     NATS connection) or one of its own (the CLI's)."""
+    async with await _connect(config) as conn:
+        return await _audit_with(conn, config, since, repair, nc)
+
+
+async def audit_unless_another_relay_does(
+    config: Config, since: float, nc: Client
+) -> AuditReport | None:
+    """:func:`audit_once` while holding the table's audit lock, so one replica
+    audits at a time; None when another holds it."""
+    async with await _connect(config) as conn:
+        cursor = await conn.execute(query(Names.for_config(config), "audit_lock"))
+        held = await cursor.fetchone()
+        await conn.commit()
+        if not (held and held[0]):
+            return None
+        return await _audit_with(conn, config, since, False, nc)
+
+
+async def _connect(config: Config) -> psycopg.AsyncConnection[Any]:
+    return await psycopg.AsyncConnection.connect(
+        connection_string(config.database_url), application_name="outbox-relay audit"
+    )
+
+
+async def _audit_with(
+    conn: psycopg.AsyncConnection[Any],
+    config: Config,
+    since: float,
+    repair: bool,
+    nc: Client | None,
+) -> AuditReport:
     names = Names.for_config(config)
-    conninfo = connection_string(config.database_url)
-    async with await psycopg.AsyncConnection.connect(
-        conninfo, application_name="outbox-relay audit"
-    ) as conn:
-        if nc is not None:
-            return await audit(conn, nc, names, since, repair=repair)
-        own = await nats.connect(
-            servers=list(config.nats_urls),
-            name="outbox-relay audit",
-            connect_timeout=5,
-            allow_reconnect=False,
-            **nats_auth_options(config),
-        )
-        try:
-            return await audit(conn, own, names, since, repair=repair)
-        finally:
-            await own.close()
+    if nc is not None:
+        return await audit(conn, nc, names, since, repair=repair)
+    own = await nats.connect(
+        servers=list(config.nats_urls),
+        name="outbox-relay audit",
+        connect_timeout=5,
+        allow_reconnect=False,
+        **nats_auth_options(config),
+    )
+    try:
+        return await audit(conn, own, names, since, repair=repair)
+    finally:
+        await own.close()
 
 
 async def run_audits(config: Config, broker: Broker, metrics: Metrics) -> None:
     """trio side: ``--audit-interval``. An audit every interval (the first one an
-    interval after start), on the relay's NATS connection; its findings as gauges and
-    one log line. It never repairs: that is an operator's decision."""
+    interval after start), on the relay's NATS connection, unless another replica
+    is auditing; its findings as gauges and one log line. It never repairs: that is
+    an operator's decision."""
     since = config.audited_window
     while True:
         await trio.sleep(config.audit_interval)
@@ -478,10 +506,13 @@ async def run_audits(config: Config, broker: Broker, metrics: Metrics) -> None:
             log.warning("audit skipped: not connected to NATS")
             continue
         try:
-            report = await aio.call(audit_once, config, since, nc=nc)
+            report = await aio.call(audit_unless_another_relay_does, config, since, nc)
         except (AuditError, psycopg.Error, OSError, nats.errors.Error) as exc:
             metrics.audit_failures.inc()
             log.warning("audit failed, will retry next interval: %s", first_line(exc))
+            continue
+        if report is None:
+            log.info("audit skipped: another relay is auditing the table")
             continue
         metrics.audit_missing.set(len(report.missing))
         metrics.audit_checked.set(report.checked)

@@ -63,6 +63,8 @@ def install_files() -> list[str]:
 # the relay's, the second is derived from the table and channel, so relays of two
 # outbox tables in one database do not share a sleep lock.
 IDLE_LOCK_CLASS = 0x0B0E
+# Held by the relay that audits the streams (--audit-interval), so one replica does.
+AUDIT_LOCK_CLASS = 0x0B0F
 
 
 def idle_lock_key(config: Config) -> int:
@@ -101,6 +103,10 @@ class Names:
     @property
     def idle_lock(self) -> sql.Composed:
         return sql.SQL("{}, {}").format(self.idle_lock_key1, self.idle_lock_key2)
+
+    @property
+    def audit_lock(self) -> sql.Composed:
+        return sql.SQL("{}, {}").format(sql.Literal(AUDIT_LOCK_CLASS), self.idle_lock_key2)
 
     @classmethod
     def for_config(cls, config: Config) -> Names:
@@ -163,6 +169,7 @@ class Names:
             notify_trigger=self.notify_trigger,
             channel=self.channel,
             idle_lock=self.idle_lock,
+            audit_lock=self.audit_lock,
             idle_lock_key1=self.idle_lock_key1,
             idle_lock_key2=self.idle_lock_key2,
         )

@@ -309,6 +309,10 @@ select count(*)
    and (classid, objid, objsubid) = ({idle_lock_key1}::oid, {idle_lock_key2}::oid, 2)
    and mode = 'ExclusiveLock' and granted and pid <> pg_backend_pid();
 
+-- name: audit_lock
+-- A relay audits only while it holds this (session) lock: one replica at a time.
+select pg_try_advisory_lock({audit_lock});
+
 -- name: audit_window
 -- `outbox-relay audit`: the window, on the database's clock (published_at's). It
 -- ends now, before the streams are read: a row marked after this may have been

@@ -12,8 +12,11 @@ import threading
 import time
 from collections import defaultdict
 
+import psycopg
 import pytest
 
+from relay.config import Config
+from relay.sqlfiles import AUDIT_LOCK_CLASS, idle_lock_key
 from tests.support import database
 from tests.support.database import Event
 from tests.support.relayproc import wait_until
@@ -165,3 +168,20 @@ def test_an_audit_beside_a_busy_relay_finds_nothing_missing(db_url, stream, star
     finally:
         stop.set()
         producer.join(10)
+
+
+def test_one_relay_audits_at_a_time(db_url, stream, start_relay):
+    """Replicas share one configuration: while one holds the table's audit lock,
+    the others skip their audits instead of reading the same streams again."""
+    events = [Event(stream.subject("locked"), "entity-1") for _ in range(3)]
+    key = idle_lock_key(Config())
+    with psycopg.connect(db_url, autocommit=True) as holder:
+        holder.execute("select pg_advisory_lock(%s, %s)", (AUDIT_LOCK_CLASS, key))
+        relay = publish_through_relay(db_url, start_relay, events, audit_interval="200ms")
+        wait_until(lambda: "another relay is auditing" in relay.logs(), message="an audit skipped")
+        assert relay.metric("outbox_relay_audit_last_success_timestamp_seconds") == 0
+        holder.execute("select pg_advisory_unlock(%s, %s)", (AUDIT_LOCK_CLASS, key))
+        wait_until(
+            lambda: relay.metric("outbox_relay_audit_checked_rows") == 3,
+            message="an audit once the lock is free",
+        )
