@@ -512,6 +512,9 @@ async def run_audits(config: Config, broker: Broker, metrics: Metrics) -> None:
             log.warning("audit failed, will retry next interval: %s", first_line(exc))
             continue
         if report is None:
+            # The replica that audits reports; a finding of this one's from an
+            # earlier round would keep paging after a repair.
+            metrics.audit_missing.set(0)
             log.info("audit skipped: another relay is auditing the table")
             continue
         metrics.audit_missing.set(len(report.missing))

@@ -180,6 +180,7 @@ def test_one_relay_audits_at_a_time(db_url, stream, start_relay):
         relay = publish_through_relay(db_url, start_relay, events, audit_interval="200ms")
         wait_until(lambda: "another relay is auditing" in relay.logs(), message="an audit skipped")
         assert relay.metric("outbox_relay_audit_last_success_timestamp_seconds") == 0
+        assert relay.metric("outbox_relay_audit_missing_rows") == 0
         holder.execute("select pg_advisory_unlock(%s, %s)", (AUDIT_LOCK_CLASS, key))
         wait_until(
             lambda: relay.metric("outbox_relay_audit_checked_rows") == 3,
