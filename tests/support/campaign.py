@@ -66,6 +66,7 @@ class Campaign:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._operator_stop = threading.Event()
+        self.operator_errors: list[str] = []
         self.late_event_type = f"{stream.prefix}_late.updated"
         self.late_captured = False
         self._producers = [
@@ -118,6 +119,10 @@ class Campaign:
                 self.skip_dead_poison()
             except psycopg.Error:
                 continue  # the database is down for a fault: try again
+            except Exception as exc:  # noqa: BLE001 - kept for the drain's report
+                # Anything else would end the thread silently, and the poison rows
+                # found dead from then on would hold their subjects for good.
+                self.operator_errors.append(repr(exc))
 
     def skip_dead_poison(self) -> int:
         with psycopg.connect(self.db_url, connect_timeout=3) as conn:
@@ -263,7 +268,12 @@ class Campaign:
             f"{error}"
             for subject, row_id, event_type, attempts, dead, skipped, retry, error in heads[:20]
         ]
-        return f"{len(heads)} subjects hold live rows:\n" + "\n".join(lines)
+        errors = f"\nthe operator thread's errors: {self.operator_errors[-5:]}"
+        return (
+            f"{len(heads)} subjects hold live rows:\n"
+            + "\n".join(lines)
+            + (errors if self.operator_errors else "")
+        )
 
     def verdict(self, max_attempts: int) -> Verdict:
         table = self.table()
