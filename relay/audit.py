@@ -138,15 +138,19 @@ def parse_time(text: str) -> float:
     return stamp + (float(f"0.{fraction}") if fraction else 0.0)
 
 
-# A message stored just before the stream's oldest one still counts as "before it":
-# the row's published_at comes after the store, by the ack's trip and the mark.
-_FRONT_SLACK = 1.0
+# A row is marked published after its whole batch was acknowledged: up to the
+# publish timeout after its message was stored, and a moment more for the mark.
+_MARK_AFTER_ACK = 1.0
 # A stream at 99% of a count or byte limit is at it (a message's size varies).
 _NEAR_LIMIT = 0.99
 
 
 def removed_by_limits(
-    published_at: float, now: float, stream: StreamView, subject_messages: int | None
+    published_at: float,
+    now: float,
+    stream: StreamView,
+    subject_messages: int | None,
+    mark_delay: float,
 ) -> bool:
     """Whether a row's absent message left the stream by one of its limits, not by
     a loss. A limit removes the oldest messages, so the row's message must be older
@@ -158,7 +162,7 @@ def removed_by_limits(
     per_subject = stream.max_msgs_per_subject
     if per_subject > 0 and subject_messages is not None and subject_messages >= per_subject:
         return True
-    if stream.first_ts is not None and published_at >= stream.first_ts + _FRONT_SLACK:
+    if stream.first_ts is not None and published_at >= stream.first_ts + mark_delay:
         return False  # newer than the oldest message kept: taken from the middle
     if stream.max_age > 0 and now - published_at >= stream.max_age:
         return True
@@ -320,6 +324,7 @@ async def audit(
     since: float,
     *,
     repair: bool = False,
+    publish_timeout: float = 5.0,
 ) -> AuditReport:
     """Check every row marked published in the last ``since`` seconds against the
     stream that captures its event type; with ``repair``, publish the missing ones
@@ -359,7 +364,8 @@ async def audit(
                     continue
             absent.append(MissingRow(row_id, event_type, subject, published_at, stream))
     await conn.commit()  # the cursor's transaction: hold no snapshot past the read
-    await _sort_absent(nc, absent, views, now, report)
+    mark_delay = publish_timeout + _MARK_AFTER_ACK
+    await _sort_absent(nc, absent, views, now, report, mark_delay=mark_delay)
     if repair and report.missing:
         await _repair(conn, nc, names, report)
     report.seconds = time.monotonic() - started
@@ -372,6 +378,8 @@ async def _sort_absent(
     views: dict[str, StreamView],
     now: float,
     report: AuditReport,
+    *,
+    mark_delay: float,
 ) -> None:
     """Each absent row into ``report``: expired (a limit of its stream accounts for
     it) or missing."""
@@ -383,7 +391,8 @@ async def _sort_absent(
             if stream.max_msgs_per_subject > 0 and key not in subject_counts:
                 info = await _stream_info(nc, stream.name, row.event_type)
                 subject_counts[key] = int((info["state"].get("subjects") or {}).get(key[1], 0))
-            if removed_by_limits(row.published_at, now, stream, subject_counts.get(key)):
+            count = subject_counts.get(key)
+            if removed_by_limits(row.published_at, now, stream, count, mark_delay):
                 report.expired += 1
                 continue
         report.missing.append(row)
@@ -478,7 +487,9 @@ async def _audit_with(
 ) -> AuditReport:
     names = Names.for_config(config)
     if nc is not None:
-        return await audit(conn, nc, names, since, repair=repair)
+        return await audit(
+            conn, nc, names, since, repair=repair, publish_timeout=config.publish_timeout
+        )
     own = await nats.connect(
         servers=list(config.nats_urls),
         name="outbox-relay audit",
@@ -487,7 +498,9 @@ async def _audit_with(
         **nats_auth_options(config),
     )
     try:
-        return await audit(conn, own, names, since, repair=repair)
+        return await audit(
+            conn, own, names, since, repair=repair, publish_timeout=config.publish_timeout
+        )
     finally:
         await own.close()
 

@@ -36,7 +36,8 @@ _NATS_OPTIONS = (
     "nats_url", "nats_creds", "nats_nkey", "nats_token", "nats_tls_ca", "nats_tls_cert",
     "nats_tls_key",
 )  # fmt: skip
-_AUDIT_OPTIONS = (*_SQL_OPTIONS, *_NATS_OPTIONS, "retention", "audit_window")
+# --publish-timeout: how long after its message was stored a row may be marked.
+_AUDIT_OPTIONS = (*_SQL_OPTIONS, *_NATS_OPTIONS, "publish_timeout", "retention", "audit_window")
 
 
 def _options_for(command: str) -> tuple[Option, ...]:

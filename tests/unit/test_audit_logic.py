@@ -73,6 +73,10 @@ AFTER_FRONT = NOW - 600
         (BEFORE_FRONT, {}, None, True),
         # ... but a message newer than the front was taken from the middle.
         (AFTER_FRONT, {}, None, False),
+        # Marked just after the oldest message's time (its batch's acks took a
+        # while): it may have been stored before it.
+        (NOW - 1800 + 5.0, {}, None, True),
+        (NOW - 1800 + 7.0, {}, None, False),
         # Not at the limit (a purge emptied part of it): no limit accounts for it.
         (BEFORE_FRONT, {"messages": 400, "max_age": 0}, None, False),
         # Old enough for max_age.
@@ -92,7 +96,8 @@ AFTER_FRONT = NOW - 600
 def test_an_absent_message_left_by_a_limit_only_when_one_accounts_for_it(
     published_at, changes, subject_messages, removed
 ):
-    assert removed_by_limits(published_at, NOW, view(**changes), subject_messages) is removed
+    stream = view(**changes)
+    assert removed_by_limits(published_at, NOW, stream, subject_messages, 6.0) is removed
 
 
 def row(subject: str, n: int) -> OutboxRow:
