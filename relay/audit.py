@@ -38,10 +38,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from relay import aio
 from relay.broker import Broker, nats_auth_options
-from relay.config import Config
+from relay.config import Config, redact_nats_url
 from relay.database import connection_string
 from relay.envelope import MSG_ID_HEADER, Message, build_message
-from relay.errors import first_line
+from relay.errors import RelayError, first_line
 from relay.metrics import Metrics
 from relay.model import OutboxRow
 from relay.sqlfiles import Names, query
@@ -490,13 +490,22 @@ async def _audit_with(
         return await audit(
             conn, nc, names, since, repair=repair, publish_timeout=config.publish_timeout
         )
-    own = await nats.connect(
-        servers=list(config.nats_urls),
-        name="outbox-relay audit",
-        connect_timeout=5,
-        allow_reconnect=False,
-        **nats_auth_options(config),
-    )
+    async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per try without it
+        log.debug("NATS: %s", exc)
+
+    try:
+        own = await nats.connect(
+            servers=list(config.nats_urls),
+            name="outbox-relay audit",
+            connect_timeout=5,
+            allow_reconnect=False,
+            max_reconnect_attempts=1,  # also bounds the first connect: each server once
+            error_cb=quiet,
+            **nats_auth_options(config),
+        )
+    except (nats.errors.Error, OSError) as exc:
+        servers = ", ".join(redact_nats_url(u) for u in config.nats_urls)
+        raise AuditError(f"cannot connect to NATS at {servers}: {exc}") from exc
     try:
         return await audit(
             conn, own, names, since, repair=repair, publish_timeout=config.publish_timeout
@@ -520,7 +529,7 @@ async def run_audits(config: Config, broker: Broker, metrics: Metrics) -> None:
             continue
         try:
             report = await aio.call(audit_unless_another_relay_does, config, since, nc)
-        except (AuditError, psycopg.Error, OSError, nats.errors.Error) as exc:
+        except (AuditError, RelayError, psycopg.Error, OSError, nats.errors.Error) as exc:
             metrics.audit_failures.inc()
             log.warning("audit failed, will retry next interval: %s", first_line(exc))
             continue

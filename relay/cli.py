@@ -23,7 +23,7 @@ from relay.config import (
     parse_duration,
     redact_url,
 )
-from relay.errors import ConfigError, first_line
+from relay.errors import ConfigError, RelayError, first_line
 from relay.logs import setup_logging
 
 log = logging.getLogger("relay")
@@ -293,7 +293,7 @@ def _audit(args: argparse.Namespace, config: Config) -> int:
     since = args.since or config.audited_window
     try:
         report = asyncio.run(audit.audit_once(config, since, repair=args.repair))
-    except (audit.AuditError, psycopg.Error, OSError, nats.errors.Error) as exc:
+    except (audit.AuditError, RelayError, psycopg.Error, OSError, nats.errors.Error) as exc:
         log.error("audit failed: %s", first_line(exc))
         return 2
     sys.stdout.write(report.as_json() + "\n" if args.json else report.summary())

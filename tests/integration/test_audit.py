@@ -20,7 +20,7 @@ from relay.sqlfiles import AUDIT_LOCK_CLASS, idle_lock_key
 from tests.support import database
 from tests.support.database import Event
 from tests.support.relayproc import wait_until
-from tests.support.servers import SHARED_NATS_URL
+from tests.support.servers import SHARED_NATS_URL, free_port
 from tests.support.stream import TestStream, run_js
 
 pytestmark = pytest.mark.integration
@@ -193,3 +193,16 @@ def test_one_relay_audits_at_a_time(db_url, stream, start_relay):
             lambda: relay.metric("outbox_relay_audit_missing_rows") == 1,
             message="an audit once the lock is free",
         )
+
+
+def test_an_audit_that_cannot_reach_nats_exits_2_with_one_line(db_url):
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "audit", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": db_url,
+             "OUTBOX_RELAY_NATS_URL": f"nats://relay:s3cret@127.0.0.1:{free_port()}"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "audit failed: cannot connect to NATS at nats://relay:***@" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "s3cret" not in result.stderr
