@@ -490,6 +490,7 @@ async def _audit_with(
         return await audit(
             conn, nc, names, since, repair=repair, publish_timeout=config.publish_timeout
         )
+
     async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per try without it
         log.debug("NATS: %s", exc)
 
