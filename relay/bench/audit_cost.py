@@ -14,40 +14,40 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import nats
-import psycopg
 
-from relay.config import Config
-from relay.database import connection_string, install
+from relay.bench.harness import RelayProcess, Target
 from relay.localservers import ThrowawayNats, ThrowawayPostgres
-from relay.sqlfiles import Names
 
-STREAM = "EVENTS"
-FILL = (
-    "insert into outbox_events (id, event_type, source, subject, time, data) "
-    "select gen_random_uuid(), 'cost.e' || (i %% 20), 'bench', 'entity-' || (i %% 1000), "
-    'now(), \'{"order": 12345, "amount": "99.95", "currency": "EUR"}\' '
-    "from generate_series(1, %s) i"
-)
 LOST = 100
 
 
-async def _nats(url: str, rows: int, delete: bool) -> None:
-    nc = await nats.connect(url)
+async def _published(target: Target, rows: int) -> None:
+    """``rows`` rows in ``target``'s table, drained by the relay into its stream."""
+    await target.create()
+    await target.fill(rows)
+    async with RelayProcess(target.url, target.nats_url):
+        await target.wait_until_drained(1.0)
+
+
+async def _lose_messages(target: Target, rows: int) -> None:
+    """Delete ``LOST`` messages spread over the stream."""
+    nc = await nats.connect(target.nats_url)
     js = nc.jetstream()
-    if delete:
-        step = max(rows // LOST, 1)
-        for seq in range(step, step * LOST + 1, step):
-            await js.delete_msg(STREAM, seq)
-    else:
-        await js.add_stream(name=STREAM, subjects=["cost.>"])
+    step = max(rows // LOST, 1)
+    for seq in range(step, step * LOST + 1, step):
+        await js.delete_msg(target.stream, seq)
     await nc.close()
 
 
-def _audit(env: dict[str, str]) -> str:
+def _audit(target: Target) -> str:
     """One `outbox-relay audit --json` as a subprocess, under /usr/bin/time."""
+    env = {
+        **os.environ,
+        "OUTBOX_RELAY_DATABASE_URL": target.url,
+        "OUTBOX_RELAY_NATS_URL": target.nats_url,
+    }
     result = subprocess.run(
         ["/usr/bin/time", "-f", "%e %M", sys.executable, "-m", "relay", "audit", "--json"],
         env=env, capture_output=True, text=True, check=False,
@@ -62,38 +62,19 @@ def _audit(env: dict[str, str]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     rows = parser.parse_args().rows
     postgres, broker = ThrowawayPostgres(), ThrowawayNats()
     try:
         postgres.start()
         broker.start()
-        install(connection_string(postgres.url), Names.for_config(Config()))
-        asyncio.run(_nats(broker.url, rows, delete=False))
-        with psycopg.connect(postgres.url, autocommit=True) as conn:
-            conn.execute(FILL, (rows,))
-            env = {
-                **os.environ,
-                "OUTBOX_RELAY_DATABASE_URL": postgres.url,
-                "OUTBOX_RELAY_NATS_URL": broker.url,
-                "OUTBOX_RELAY_METRICS_PORT": "0",
-            }
-            started = time.monotonic()
-            relay = subprocess.Popen(
-                [sys.executable, "-m", "relay", "run"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            unpublished = "select count(*) from outbox_events where published_at is null"
-            while (conn.execute(unpublished).fetchone() or (0,))[0]:
-                time.sleep(1)
-            drained = time.monotonic() - started
-            relay.terminate()
-            relay.wait(30)
-        print(f"{rows} rows drained in {drained:.0f}s ({rows / drained:.0f} rows/s)", flush=True)
-        print(f"audit: {_audit(env)}", flush=True)
-        asyncio.run(_nats(broker.url, rows, delete=True))
-        print(f"audit after deleting {LOST} messages: {_audit(env)}", flush=True)
+        target = Target(postgres.url, broker.url)
+        asyncio.run(_published(target, rows))
+        print(f"{rows} rows published", flush=True)
+        print(f"audit: {_audit(target)}", flush=True)
+        asyncio.run(_lose_messages(target, rows))
+        print(f"audit after deleting {LOST} messages: {_audit(target)}", flush=True)
     finally:
         postgres.destroy()
         broker.destroy()
