@@ -22,7 +22,6 @@ import datetime
 import json
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from relay.envelope import MSG_ID_HEADER, Message, build_message
 from relay.errors import RelayError, first_line
 from relay.metrics import Metrics
 from relay.model import OutboxRow
+from relay.ordering import SubjectQueues
 from relay.sqlfiles import Names, query
 
 log = logging.getLogger(__name__)
@@ -398,18 +398,6 @@ async def _sort_absent(
         report.missing.append(row)
 
 
-def repair_waves(rows: Sequence[OutboxRow]) -> list[list[OutboxRow]]:
-    """``rows`` (in publishing order) as waves: the first missing row of every
-    subject, then the second, and so on. A wave is published pipelined and
-    acknowledged before the next, so each subject's rows are stored in order, as
-    the relay orders them."""
-    queues: dict[str, list[OutboxRow]] = defaultdict(list)
-    for row in rows:
-        queues[row.subject].append(row)
-    depth = max((len(q) for q in queues.values()), default=0)
-    return [[q[i] for q in queues.values() if i < len(q)] for i in range(depth)]
-
-
 def repair_message(row: OutboxRow, now: float) -> Message:
     message = build_message(row, row.time or "")
     return Message(message.subject, message.body, {MSG_ID_HEADER: repair_msg_id(row.id, now)})
@@ -423,10 +411,12 @@ async def _repair(
     rows = [OutboxRow(*r) for r in await cursor.fetchall()]
     await conn.commit()
     js = nc.jetstream()
-    stopped: set[str] = set()  # subjects with a failed repair: their later rows wait
+    # The relay's waves: the first missing row of every subject, acknowledged, then
+    # the second; a subject stops at a row that fails, its later rows untried.
+    queues = SubjectQueues(rows)
     now = time.time()
-    for next_rows in repair_waves(rows):
-        wave = [r for r in next_rows if r.subject not in stopped]
+    while queues:
+        wave = queues.next_wave()
         messages = [repair_message(r, now) for r in wave]
         results = await asyncio.gather(
             *(js.publish(m.subject, m.body, timeout=_API_TIMEOUT, headers=m.headers)
@@ -441,12 +431,12 @@ async def _repair(
                     else "the stream answered duplicate: nothing stored"
                 )
                 report.repair_failed[row.id] = why
-                stopped.add(row.subject)
+                for later in queues.stop(row.subject):
+                    report.repair_failed[later.id] = (
+                        "not tried: an earlier row of its subject failed"
+                    )
             else:
                 report.repaired.append(row.id)
-    for row in rows:
-        if row.subject in stopped and row.id not in report.repair_failed:
-            report.repair_failed[row.id] = "not tried: an earlier row of its subject failed"
 
 
 async def audit_once(

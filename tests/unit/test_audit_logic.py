@@ -16,9 +16,9 @@ from relay.audit import (
     parse_time,
     removed_by_limits,
     repair_msg_id,
-    repair_waves,
 )
 from relay.model import OutboxRow
+from relay.ordering import SubjectQueues
 
 # A stream's info as nats-server 2.15 answers $JS.API.STREAM.INFO (trimmed).
 INFO = {
@@ -105,9 +105,14 @@ def row(subject: str, n: int) -> OutboxRow:
 
 
 def test_repairs_go_in_waves_that_keep_each_subjects_order():
+    # The repair publishes through the relay's own per-subject waves.
     a1, b1, a2, a3, c1 = row("a", 1), row("b", 2), row("a", 3), row("a", 4), row("c", 5)
-    assert repair_waves([a1, b1, a2, a3, c1]) == [[a1, b1, c1], [a2], [a3]]
-    assert repair_waves([]) == []
+    queues = SubjectQueues([a1, b1, a2, a3, c1])
+    waves = []
+    while queues:
+        waves.append(queues.next_wave())
+    assert waves == [[a1, b1, c1], [a2], [a3]]
+    assert not SubjectQueues([])
 
 
 def test_the_report_lists_every_missing_id_in_json_and_the_first_in_text():
