@@ -20,7 +20,7 @@ from relay.config import (
     Option,
     build_config,
     default_value,
-    parse_duration,
+    parse_positive_duration,
     redact_url,
 )
 from relay.errors import ConfigError, RelayError, first_line
@@ -52,12 +52,9 @@ def _options_for(command: str) -> tuple[Option, ...]:
 
 def _duration(text: str) -> float:
     try:
-        seconds = parse_duration(text)
+        return parse_positive_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError("must be longer than zero")
-    return seconds
 
 
 def _uuid(text: str) -> uuid.UUID:

@@ -178,7 +178,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _positive_duration(text: str) -> float:
+def parse_positive_duration(text: str) -> float:
     value = parse_duration(text)
     if value <= 0:
         raise ValueError("must be longer than zero")
@@ -295,13 +295,13 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("batch_size", _positive_int, "rows claimed per pass"),
     Option(
         "poll_interval",
-        _positive_duration,
+        parse_positive_duration,
         "fallback poll when no notification comes",
         show_duration,
     ),
     Option(
         "publish_timeout",
-        _positive_duration,
+        parse_positive_duration,
         "longest a batch may wait for broker acks (bounds how long row locks are held)",
         show_duration,
     ),
@@ -311,11 +311,16 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "refusals of a row before it is dead (the broker's failures never count)",
     ),
     Option(
-        "backoff_base", _positive_duration, "first retry delay; doubles per attempt", show_duration
+        "backoff_base",
+        parse_positive_duration,
+        "first retry delay; doubles per attempt",
+        show_duration,
     ),
-    Option("backoff_max", _positive_duration, "longest retry delay", show_duration),
-    Option("retention", _positive_duration, "how long published rows are kept", show_duration),
-    Option("retention_interval", _positive_duration, "how often retention runs", show_duration),
+    Option("backoff_max", parse_positive_duration, "longest retry delay", show_duration),
+    Option("retention", parse_positive_duration, "how long published rows are kept", show_duration),
+    Option(
+        "retention_interval", parse_positive_duration, "how often retention runs", show_duration
+    ),
     Option("retention_batch_size", _positive_int, "rows deleted per retention statement"),
     Option(
         "audit_interval",
@@ -332,12 +337,15 @@ RUN_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "listen_keepalive",
-        _positive_duration,
+        parse_positive_duration,
         "quiet time after which the LISTEN connection is probed",
         show_duration,
     ),
     Option(
-        "gauge_interval", _positive_duration, "how often table-wide gauges are read", show_duration
+        "gauge_interval",
+        parse_positive_duration,
+        "how often table-wide gauges are read",
+        show_duration,
     ),
     Option("metrics_host", str, "address the metrics and health server binds"),
     Option("metrics_port", _port, "port of /metrics, /healthz and /readyz (0 disables)"),
