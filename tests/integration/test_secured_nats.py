@@ -124,23 +124,30 @@ def test_an_nkey_user(db_url, start_relay, tmp_path):
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
+def readme_block(marker: str) -> str:
+    """The code block after ``<!-- marker -->`` in the README, comments dropped."""
+    text = README.read_text()
+    return re.sub(r"#.*", "", text[text.index(f"<!-- {marker} -->\n") :].split("```")[1])
+
+
+def quoted(text: str) -> list[str]:
+    return re.findall(r'"([^"]+)"', text)
+
+
 def documented_permissions(
     subjects: list[str], *, audit: bool = False
 ) -> tuple[list[str], list[str]]:
     """The README's permission block for the relay's NATS user, as (publish,
     subscribe) allow lists, with ``subjects`` in place of its example event types;
     with ``audit``, and the block the audit adds."""
-    text = README.read_text()
-    block = text[text.index("<!-- nats-permissions -->") :].split("```")[1]
-    block = re.sub(r"#.*", "", block)
+    block = readme_block("nats-permissions")
     publish, subscribe = (
-        re.findall(r'"([^"]+)"', re.search(rf"{kind}:\s*{{\s*allow:\s*\[(.*?)\]", block, re.S)[1])
+        quoted(re.search(rf"{kind}:\s*{{\s*allow:\s*\[(.*?)\]", block, re.S)[1])
         for kind in ("publish", "subscribe")
     )
     assert publish[:2] == ["orders.>", "payments.>"], publish
     if audit:
-        extra = text[text.index("<!-- nats-permissions-audit -->") :].split("```")[1]
-        publish += re.findall(r'"([^"]+)"', re.sub(r"#.*", "", extra))
+        publish += quoted(readme_block("nats-permissions-audit"))
     return subjects + publish[2:], subscribe
 
 
