@@ -45,7 +45,12 @@ class Relay:
         self.stopping = trio.Event()
         self.database = Database(config)
         self.broker = Broker(
-            config.nats_urls, self._broker_changed, auth_options=nats_auth_options(config)
+            config.nats_urls,
+            self._broker_changed,
+            auth_options=nats_auth_options(config),
+            publish_mode=config.publish_mode,
+            on_modes_change=self.metrics.set_publish_modes,
+            on_batch=lambda mode, outcome: self.metrics.batch_publishes.labels(mode, outcome).inc(),
         )
         self.listener = Listener(
             connect=functools.partial(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +35,7 @@ from relay.marks import Marks, decide_marks
 from relay.model import Failed, FailureReason, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
+from relay.streams import ATOMIC_BATCH_LIMIT, MIN_BATCH_MESSAGES, PublishMode
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,34 @@ class BatchOutcome:
     # The broker acknowledged none of what was sent (relay.marks.broker_outage): the
     # rows it failed were left as they were, not counted against them.
     broker_outage: bool = False
+
+
+def split_by_publish_mode(
+    rows: Sequence[OutboxRow], plan: Mapping[str, tuple[PublishMode, str]]
+) -> tuple[list[OutboxRow], list[tuple[PublishMode, list[OutboxRow]]]]:
+    """The rows to publish one message each, and per stream the rows to publish as
+    batches (in ``plan``'s mode for the event type: the NATS subject). Order is kept
+    per row subject, which may span event types and so streams: a row subject with
+    rows in two streams, or in a stream published per message, goes one message
+    each, whose waves keep its order across streams. Each list keeps ``rows``' order."""
+    streams_of: dict[str, set[tuple[PublishMode, str]]] = {}
+    for row in rows:
+        streams_of.setdefault(row.subject, set()).add(plan[row.event_type])
+    groups: dict[tuple[PublishMode, str], list[OutboxRow]] = {}
+    one_by_one: list[OutboxRow] = []
+    for row in rows:
+        target = plan[row.event_type]
+        if target[0] is PublishMode.MESSAGE or len(streams_of[row.subject]) > 1:
+            one_by_one.append(row)
+        else:
+            groups.setdefault(target, []).append(row)
+    batched: list[tuple[PublishMode, list[OutboxRow]]] = []
+    for (mode, _), group in groups.items():
+        if len(group) < MIN_BATCH_MESSAGES:
+            one_by_one += group  # a row subject lives in one group: order holds
+        else:
+            batched.append((mode, group))
+    return one_by_one, batched
 
 
 class BatchTransaction(Protocol):
@@ -80,6 +109,14 @@ class BatchBroker(Protocol):
     async def publish_wave(
         self, messages: Sequence[Message], budget: float
     ) -> list[PublishResult]: ...
+
+    async def publish_modes(
+        self, subjects: Iterable[str]
+    ) -> Mapping[str, tuple[PublishMode, str]]: ...
+
+    async def publish_batch(
+        self, mode: PublishMode, messages: Sequence[Message], budget: float
+    ) -> list[PublishResult | None] | None: ...
 
 
 class _Flight:
@@ -228,7 +265,25 @@ class Batch:
                 messages[row.id] = message
                 sendable.append(row)
         self._failpoints.hit(failpoints.CRASH_BEFORE_PUBLISH)
-        queues = SubjectQueues(sendable)
+        if not sendable:
+            return results
+        plan = await self._broker.publish_modes({row.event_type for row in sendable})
+        one_by_one, batched = split_by_publish_mode(sendable, plan)
+        # No row subject spans two of these, so they go at once, in any order.
+        for found in await asyncio.gather(
+            self._publish_waves(one_by_one, messages, deadline),
+            *(self._publish_batches(mode, rows, messages, deadline) for mode, rows in batched),
+        ):
+            results.update(found)
+        return results
+
+    async def _publish_waves(
+        self, rows: list[OutboxRow], messages: Mapping[RowId, Message], deadline: float
+    ) -> dict[RowId, PublishResult]:
+        """asyncio side: publish ``rows`` one message each, the rows of a subject in
+        waves (the next only after the previous one's ack)."""
+        results: dict[RowId, PublishResult] = {}
+        queues = SubjectQueues(rows)
         # The deadline bounds how long this transaction holds its row locks.
         loop = asyncio.get_running_loop()
         while queues:
@@ -243,4 +298,44 @@ class Batch:
                     # Later rows of this subject must not overtake it: they stay
                     # unsent, and the claim skips them while it waits or is dead.
                     queues.stop(row.subject)
+        return results
+
+    async def _publish_batches(
+        self,
+        mode: PublishMode,
+        rows: list[OutboxRow],
+        messages: Mapping[RowId, Message],
+        deadline: float,
+    ) -> dict[RowId, PublishResult]:
+        """asyncio side: publish ``rows``, all of one stream, in order, as batches.
+
+        The stream stores a batch's messages in order and stops at the first it
+        cannot store, so a subject's rows keep their order. After a message the
+        stream refused, the rows of other subjects that came after it go in the
+        next batch; the refused row's subject stops here, as in waves."""
+        results: dict[RowId, PublishResult] = {}
+        loop = asyncio.get_running_loop()
+        pending = rows
+        while pending and (remaining := deadline - loop.time()) > 0:
+            if len(pending) < MIN_BATCH_MESSAGES:
+                results.update(await self._publish_waves(pending, messages, deadline))
+                break
+            chunk = pending[:ATOMIC_BATCH_LIMIT] if mode is PublishMode.ATOMIC else pending
+            found = await self._broker.publish_batch(
+                mode, [messages[row.id] for row in chunk], remaining
+            )
+            if found is None:  # turned down as a batch: each message on its own
+                results.update(await self._publish_waves(pending, messages, deadline))
+                break
+            if all(result is None for result in found):
+                break  # nothing stored and nothing said: try again next pass
+            stopped: set[str] = set()
+            for row, result in zip(chunk, found, strict=True):
+                if result is not None:
+                    results[row.id] = result
+                    if isinstance(result, Failed):
+                        stopped.add(row.subject)
+            if any(isinstance(r, Failed) and r.reason.broker_fault for r in found):
+                break  # the broker's trouble: the rest waits for the next pass
+            pending = [r for r in pending if r.id not in results and r.subject not in stopped]
         return results

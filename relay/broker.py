@@ -13,6 +13,7 @@ import math
 import re
 import ssl
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -24,10 +25,20 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from relay import aio
+from relay.batchreplies import (
+    FAST_BATCH_FLOW,
+    NO_RESPONDERS,
+    AtomicBatch,
+    FastBatch,
+    Reply,
+    decode,
+    decode_failure,
+)
 from relay.config import Config, redact_nats_url
 from relay.envelope import Message
 from relay.errors import BrokerUnavailable
 from relay.model import Acked, Failed, FailureReason, PublishResult
+from relay.streams import PublishMode, StreamModes, choose_mode, stream_for
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +68,6 @@ def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, o
     return Failed(FailureReason.OTHER, f"{exc.__class__.__name__}: {exc}")
 
 
-NO_RESPONDERS = Failed(
-    FailureReason.NO_RESPONDERS, "no responders: no stream leader answered for the subject"
-)
 NO_STREAM = Failed(FailureReason.NO_STREAM, "no stream captures the subject")
 PERMISSION_DENIED = Failed(
     FailureReason.PERMISSION_DENIED,
@@ -234,6 +242,67 @@ class _AckInbox:
             wave.settle(index, PERMISSION_DENIED)
 
 
+class _BatchInbox:
+    """The replies of batch publishes: one wildcard subscription, each reply routed
+    by the batch id that its subject carries to that batch's handler, with the
+    sequence of the message it answers (the reply subject's last number before
+    the fast-batch suffix, or its last token for an atomic batch)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._open: dict[str, Callable[[int, Msg], None]] = {}
+
+    def open(self, batch_id: str, handler: Callable[[int, Msg], None]) -> None:
+        self._open[batch_id] = handler
+
+    def close(self, batch_id: str) -> None:
+        self._open.pop(batch_id, None)
+
+    async def on_reply(self, msg: Msg) -> None:
+        tokens = msg.subject[len(self.prefix) :].split(".")
+        handler = self._open.get(tokens[0])
+        if handler is None:
+            return
+        seq_token = tokens[-3] if tokens[-1] == "$FI" and len(tokens) >= 4 else tokens[-1]
+        handler(int(seq_token) if seq_token.isdigit() else 0, msg)
+
+
+def batch_outcome(results: Sequence[PublishResult | None]) -> str:
+    """The ``outcome`` label of a batch publish: every message stored, stopped at a
+    message the stream refused, or unanswered (a timeout, the broker's failure)."""
+    if all(isinstance(result, Acked) for result in results):
+        return "stored"
+    if any(isinstance(r, Failed) and r.reason.broker_fault for r in results):
+        return "unanswered"
+    return "stopped"
+
+
+def fast_batch_reply(prefix: str, batch_id: str, seq: int, last: int) -> str:
+    """A fast batch message's reply subject (ADR-50):
+    ``<prefix>.<id>.<flow>.<gap mode>.<seq>.<op>.$FI``, op 0 starting the batch,
+    1 adding to it, 2 storing the last message and committing."""
+    op = 0 if seq == 1 else 2 if seq == last else 1
+    return f"{prefix}{batch_id}.{FAST_BATCH_FLOW}.fail.{seq}.{op}.$FI"
+
+
+def atomic_batch_headers(
+    headers: Mapping[str, str], batch_id: str, seq: int, last: int
+) -> dict[str, str]:
+    """A message's headers in an atomic batch: the batch, its place, and on the last
+    message the commit."""
+    batched = {**headers, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(seq)}
+    if seq == last:
+        batched["Nats-Batch-Commit"] = "1"
+    return batched
+
+
+# How long the relay trusts what it read of the streams' configuration (which mode
+# each allows) before reading it again; and after a failed read, before trying again.
+STREAM_MODES_TTL = 30.0
+STREAM_MODES_RETRY = 5.0
+STREAM_MODES_READ_TIMEOUT = 1.0
+
+
 _WARNINGS_KEPT = 1000
 
 
@@ -288,8 +357,12 @@ class Broker:
         self,
         urls: Sequence[str],
         on_connection_change: Callable[[bool], None],
+        *,
         name: str = "outbox-relay",
         auth_options: Mapping[str, Any] | None = None,
+        publish_mode: str = "auto",
+        on_modes_change: Callable[[Mapping[str, PublishMode]], None] | None = None,
+        on_batch: Callable[[PublishMode, str], None] | None = None,
     ) -> None:
         self._urls = list(urls)
         self._name = name
@@ -298,7 +371,14 @@ class Broker:
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
         self._acks: _AckInbox | None = None
+        self._batch_replies: _BatchInbox | None = None
         self._warnings = RepeatedWarnings(log)
+        self._publish_mode = publish_mode
+        self._on_modes_change = on_modes_change
+        self._on_batch = on_batch or (lambda mode, outcome: None)
+        self._streams: list[StreamModes] = []
+        self._modes: dict[str, PublishMode] = {}
+        self._streams_due = 0.0  # loop time of the next read of the streams' modes
 
     @property
     def connected(self) -> bool:
@@ -363,20 +443,83 @@ class Broker:
 
     async def duplicate_windows(self) -> list[tuple[str, float]]:
         """Every stream this connection can see, with its duplicate window in seconds."""
+        try:
+            configs = await aio.call(self._stream_configs)
+        except Exception as exc:
+            raise BrokerUnavailable(f"cannot list the JetStream streams: {exc}") from exc
+        return [(c.name or "?", c.duplicate_window or 0.0) for c in configs]
+
+    async def _stream_configs(self) -> list[Any]:
+        """asyncio side: every stream's configuration (STREAM.LIST, pages of 256)."""
         js = self._js
         if js is None:
             raise BrokerUnavailable("not connected to NATS")
+        found: list[Any] = []
+        while page := await js.streams_info(offset=len(found)):
+            found += [info.config for info in page]
+        return found
 
-        async def read() -> list[tuple[str, float]]:
-            found: list[tuple[str, float]] = []
-            while page := await js.streams_info(offset=len(found)):  # pages of 256
-                found += [(i.config.name or "?", i.config.duplicate_window or 0.0) for i in page]
-            return found
-
+    @property
+    def server_version(self) -> tuple[int, int, int]:
+        nc = self._nc
+        if nc is None:
+            return (0, 0, 0)
         try:
-            return await aio.call(read)
-        except Exception as exc:
-            raise BrokerUnavailable(f"cannot list the JetStream streams: {exc}") from exc
+            version = nc.connected_server_version
+        except Exception:  # noqa: BLE001 - an unparsable version: assume the oldest
+            return (0, 0, 0)
+        return (version.major, version.minor, version.patch)
+
+    async def publish_modes(self, subjects: Iterable[str]) -> dict[str, tuple[PublishMode, str]]:
+        """asyncio side: for each subject, the mode to publish it with and the stream
+        that captures it ("" for none). The streams' configuration is read at most
+        every STREAM_MODES_TTL seconds, within STREAM_MODES_READ_TIMEOUT; until the
+        first read succeeds, every subject goes per message."""
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._streams_due:
+            await self._read_stream_modes(loop)
+        version = self.server_version
+        plan: dict[str, tuple[PublishMode, str]] = {}
+        for subject in subjects:
+            stream = stream_for(subject, self._streams)
+            mode = choose_mode(stream, version, self._publish_mode)
+            plan[subject] = (mode, stream.name if stream else "")
+        return plan
+
+    def forget_stream_modes(self) -> None:
+        """Read the streams' modes again before the next batch (one turned a batch down)."""
+        self._streams_due = 0.0
+
+    async def _read_stream_modes(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            configs = await asyncio.wait_for(self._stream_configs(), STREAM_MODES_READ_TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - keep what was known, try again soon
+            log.debug("could not read the streams' publish modes: %s", exc)
+            self._streams_due = loop.time() + STREAM_MODES_RETRY
+            return
+        self._streams_due = loop.time() + STREAM_MODES_TTL
+        self._streams = [
+            StreamModes(
+                name=c.name or "?",
+                subjects=tuple(c.subjects or ()),
+                allow_batched=bool(getattr(c, "allow_batched", False)),
+                allow_atomic=bool(getattr(c, "allow_atomic", False)),
+            )
+            for c in configs
+        ]
+        version = self.server_version
+        modes = {s.name: choose_mode(s, version, self._publish_mode) for s in self._streams}
+        if modes != self._modes:
+            self._modes = modes
+            log.info(
+                "publish modes (server %s, --publish-mode %s): %s",
+                ".".join(map(str, version)),
+                self._publish_mode,
+                ", ".join(f"{name}: {mode}" for name, mode in sorted(modes.items()))
+                or "no streams",
+            )
+            if self._on_modes_change is not None:
+                self._on_modes_change(modes)
 
     async def close(self) -> None:
         if self._nc is not None:
@@ -423,6 +566,143 @@ class Broker:
         )
         results = [missing if result is None else result for result in wave.results]
         return await self._confirm_no_stream(messages, results, deadline)
+
+    async def publish_batch(
+        self, mode: PublishMode, messages: Sequence[Message], budget: float
+    ) -> list[PublishResult | None] | None:
+        """asyncio side: publish ``messages``, all captured by one stream and in the
+        order they must be stored, as one batch in ``mode``, waiting up to ``budget``
+        seconds. One result per message (None: not stored, nothing to say), or None
+        when the stream turned the batch down as a batch: then the caller sends the
+        messages one by one, each getting its own verdict."""
+        nc = self._nc
+        if nc is None or not self.connected:
+            return [Failed(FailureReason.DISCONNECTED, "not connected to NATS")] * len(messages)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        replies = await self._batch_inbox(nc)
+        batch_id = uuid.uuid4().hex
+        woken = asyncio.Event()
+        state: FastBatch | AtomicBatch
+        if mode is PublishMode.BATCH:
+            state = fast = FastBatch(len(messages))
+
+            def on_fast_reply(seq: int, msg: Msg) -> None:
+                fast.on_reply(seq, self._decode(msg))
+                woken.set()
+
+            replies.open(batch_id, on_fast_reply)
+        else:
+            state = atomic = AtomicBatch(len(messages))
+
+            def on_atomic_reply(seq: int, msg: Msg) -> None:
+                atomic.on_reply(self._decode(msg))
+                woken.set()
+
+            replies.open(batch_id, on_atomic_reply)
+
+        def reply_to(seq: int) -> str:
+            return fast_batch_reply(replies.prefix, batch_id, seq, len(messages))
+
+        try:
+            if isinstance(state, FastBatch):
+                await self._send_fast(nc, state, reply_to, messages)
+            else:
+                await self._send_atomic(nc, state, replies.prefix, batch_id, messages)
+            while not state.over and (remaining := deadline - loop.time()) > 0:
+                woken.clear()
+                try:
+                    await asyncio.wait_for(woken.wait(), remaining)
+                except TimeoutError:
+                    break
+                if isinstance(state, FastBatch):
+                    await self._send_fast(nc, state, reply_to, messages)
+        finally:
+            replies.close(batch_id)
+        if isinstance(state, FastBatch) and state.batch_refused is not None:
+            self._turned_down(mode, state.batch_refused.failure)
+            return None
+        if isinstance(state, AtomicBatch) and state.send_per_message:
+            self._turned_down(mode, state.error.failure if state.error else None)
+            return None
+        unanswered = (
+            Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
+            if self.connected
+            else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
+        )
+        results = list(state.results(unanswered))
+        self._on_batch(mode, batch_outcome(results))
+        if any(isinstance(r, Failed) and r.reason is FailureReason.NO_RESPONDERS for r in results):
+            sent = [(m, r) for m, r in zip(messages, results, strict=True) if r is not None]
+            confirmed = iter(
+                await self._confirm_no_stream([m for m, _ in sent], [r for _, r in sent], deadline)
+            )
+            results = [None if r is None else next(confirmed) for r in results]
+        return results
+
+    def _turned_down(self, mode: PublishMode, failure: Failed | None) -> None:
+        log.info(
+            "the stream turned a %s batch down (%s); its messages go one by one",
+            mode,
+            failure.detail if failure else "?",
+        )
+        if failure is not None and "disabled" in failure.detail:
+            self.forget_stream_modes()
+        self._on_batch(mode, "turned_down")
+
+    def _decode(self, msg: Msg) -> Reply:
+        return decode(msg.headers.get("Status") if msg.headers else None, msg.data, api_error)
+
+    async def _send_fast(
+        self,
+        nc: Client,
+        state: FastBatch,
+        reply_to: Callable[[int], str],
+        messages: Sequence[Message],
+    ) -> None:
+        """Send what flow control lets go now: the first message alone, then while
+        fewer than FAST_BATCH_OUTSTANDING_ACKS acks are outstanding."""
+        last = len(messages)
+        while state.sent < last and state.may_send(state.sent):
+            message = messages[state.sent]
+            state.sent += 1
+            reply = reply_to(state.sent)
+            try:
+                await nc.publish(
+                    message.subject, message.body, reply=reply, headers=message.headers
+                )
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a value
+                state.broker_failure = classify(exc)
+                break
+        send_queued(nc)
+
+    async def _send_atomic(
+        self,
+        nc: Client,
+        state: AtomicBatch,
+        prefix: str,
+        batch_id: str,
+        messages: Sequence[Message],
+    ) -> None:
+        """Send the whole batch: replies only on the first message (an error there
+        says the batch will not be taken) and on the commit."""
+        last = len(messages)
+        for seq, message in enumerate(messages, 1):
+            reply = f"{prefix}{batch_id}.{seq}" if seq in (1, last) else ""
+            headers = atomic_batch_headers(message.headers, batch_id, seq, last)
+            try:
+                await nc.publish(message.subject, message.body, reply=reply, headers=headers)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a value
+                state.on_reply(decode_failure(classify(exc)))
+                break
+        send_queued(nc)
+
+    async def _batch_inbox(self, nc: Client) -> _BatchInbox:
+        if self._batch_replies is None:
+            replies = _BatchInbox(nc.new_inbox() + ".")
+            await nc.subscribe(replies.prefix + ">", cb=replies.on_reply)
+            self._batch_replies = replies
+        return self._batch_replies
 
     async def _ack_inbox(self, nc: Client) -> _AckInbox:
         if self._acks is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from relay import failpoints
 from relay.errors import ConfigError
+from relay.streams import PUBLISH_MODE_CHOICES
 
 ENV_PREFIX = "OUTBOX_RELAY_"
 
@@ -110,6 +111,7 @@ class Config:
     table: tuple[str, ...] = ("outbox_events",)
     channel: str = "outbox_events"
     batch_size: int = 500
+    publish_mode: str = "auto"
     poll_interval: float = 1.0
     publish_timeout: float = 5.0
     max_attempts: int = 20
@@ -293,6 +295,12 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("table", parse_table_name, "outbox table, optionally schema-qualified", ".".join),
     Option("channel", parse_channel, "LISTEN/NOTIFY channel the insert trigger notifies"),
     Option("batch_size", _positive_int, "rows claimed per pass"),
+    Option(
+        "publish_mode",
+        _choice(*PUBLISH_MODE_CHOICES),
+        "how batches go to JetStream: auto (the best each stream allows: batch, then "
+        "atomic), batch, atomic, or message (one publish and ack per message)",
+    ),
     Option(
         "poll_interval",
         parse_positive_duration,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -105,6 +105,12 @@ class BoundedLabel:
 
 
 class Metrics:
+    def set_publish_modes(self, modes: Mapping[str, str]) -> None:
+        """Export each stream's publish mode, dropping streams that are gone."""
+        self.publish_mode.clear()
+        for stream, mode in modes.items():
+            self.publish_mode.labels(stream=stream, mode=mode).set(1)
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.event_type = BoundedLabel()
@@ -199,6 +205,22 @@ class Metrics:
             "outbox_relay_database_errors",
             "Database operations that failed, by task",
             ["task"],
+            registry=r,
+        )
+        self.publish_mode = Gauge(
+            "outbox_relay_publish_mode",
+            "1 for the mode the relay publishes into each stream with (batch, atomic, "
+            "message; --publish-mode and what the stream allows decide)",
+            ["stream", "mode"],
+            registry=r,
+        )
+        self.batch_publishes = Counter(
+            "outbox_relay_batch_publishes",
+            "Batch publishes (--publish-mode), by outcome: stored (every message), stopped "
+            "(at a message the stream refused), unanswered (a timeout, the broker's "
+            "failure), turned_down (as a batch: a duplicate in an atomic batch, batching "
+            "disabled; the messages then went one by one)",
+            ["mode", "outcome"],
             registry=r,
         )
         self.short_duplicate_windows = Gauge(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 import pytest
 import trio
@@ -25,6 +25,7 @@ from relay.envelope import Message
 from relay.failpoints import Failpoints
 from relay.marks import Marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
+from relay.streams import PublishMode
 
 MAX_PAYLOAD = 1024 * 1024
 
@@ -52,6 +53,14 @@ class Broker:
         self.sent: list[str] = []  # row ids, in the order they reached the broker
         self.answers: dict[str, asyncio.Future[PublishResult]] = {}
         self.arrived = trio.Event()
+
+    async def publish_modes(self, subjects: Iterable[str]) -> dict[str, tuple[PublishMode, str]]:
+        return dict.fromkeys(subjects, (PublishMode.MESSAGE, ""))
+
+    async def publish_batch(
+        self, mode: PublishMode, messages: Sequence[Message], budget: float
+    ) -> list[PublishResult | None] | None:
+        raise AssertionError("every subject goes per message here")
 
     async def publish_wave(self, messages: Sequence[Message], budget: float) -> list[PublishResult]:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,99 @@
+"""Which stream captures a subject, and how the relay publishes into it.
+
+A stream that allows it and a server that supports it take a claimed batch as one
+JetStream batch publish (ADR-50) instead of a publish and an ack per message:
+
+- ``batch``: fast batch publishing (stream ``allow_batched``, server 2.14+). Not
+  atomic; sent with ``gap: fail``, so the stream stores the batch's messages in
+  order and stops at the first one it cannot store. A duplicate is skipped.
+- ``atomic``: atomic batch publishing (stream ``allow_atomic``, server 2.12.1+ for
+  ``Nats-Msg-Id``). All or nothing; one duplicate rejects the whole batch.
+- ``message``: one publish and one ack per message, pipelined across subjects.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+class PublishMode(enum.StrEnum):
+    BATCH = "batch"
+    ATOMIC = "atomic"
+    MESSAGE = "message"
+
+
+AUTO = "auto"
+PUBLISH_MODE_CHOICES = (AUTO, *(mode.value for mode in PublishMode))
+
+# Server versions (major, minor, patch) that first took each mode: fast batches came
+# in 2.14.0; atomic batches in 2.12.0, but with Nats-Msg-Id (the relay's dedupe key)
+# only from 2.12.1.
+_SINCE = {PublishMode.BATCH: (2, 14, 0), PublishMode.ATOMIC: (2, 12, 1)}
+
+# A batch of fewer messages goes per message: a fast batch waits for the server's
+# first reply before sending the rest, and a lone message gains nothing from a batch.
+MIN_BATCH_MESSAGES = 2
+# Atomic batches: the server's default limit of messages per batch.
+ATOMIC_BATCH_LIMIT = 1000
+
+
+@dataclass(frozen=True)
+class StreamModes:
+    """What a stream's configuration allows, as STREAM.INFO reports it."""
+
+    name: str
+    subjects: tuple[str, ...]
+    allow_batched: bool = False
+    allow_atomic: bool = False
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether a NATS subject filter (``*`` one token, ``>`` the rest) captures ``subject``."""
+    want = pattern.split(".")
+    have = subject.split(".")
+    for index, token in enumerate(want):
+        if token == ">":
+            return len(have) > index
+        if index >= len(have) or (token != "*" and token != have[index]):
+            return False
+    return len(have) == len(want)
+
+
+def stream_for(subject: str, streams: Iterable[StreamModes]) -> StreamModes | None:
+    """The stream that captures ``subject`` (JetStream lets only one do so)."""
+    for stream in streams:
+        if any(subject_matches(pattern, subject) for pattern in stream.subjects):
+            return stream
+    return None
+
+
+def supported_modes(version: tuple[int, int, int]) -> frozenset[PublishMode]:
+    return frozenset(
+        {PublishMode.MESSAGE} | {mode for mode, since in _SINCE.items() if version >= since}
+    )
+
+
+def choose_mode(
+    stream: StreamModes | None, version: tuple[int, int, int], wanted: str = AUTO
+) -> PublishMode:
+    """How to publish into ``stream``: the best mode the stream allows and the server
+    supports, or the one the operator asked for (``--publish-mode``) where it is
+    available; per message everywhere else, and for a subject no stream captures."""
+    if stream is None or wanted == PublishMode.MESSAGE:
+        return PublishMode.MESSAGE
+    supported = supported_modes(version)
+    allowed = {
+        PublishMode.BATCH: stream.allow_batched and PublishMode.BATCH in supported,
+        PublishMode.ATOMIC: stream.allow_atomic and PublishMode.ATOMIC in supported,
+    }
+    order = (PublishMode.BATCH, PublishMode.ATOMIC) if wanted == AUTO else (PublishMode(wanted),)
+    return next((mode for mode in order if allowed.get(mode)), PublishMode.MESSAGE)
+
+
+def describe_modes(modes: Mapping[str, PublishMode]) -> str:
+    """One log line's worth: each stream and the mode the relay publishes it with."""
+    if not modes:
+        return "no streams"
+    return ", ".join(f"{name}: {mode}" for name, mode in sorted(modes.items()))

@@ -1,0 +1,137 @@
+"""JetStream batch publishing against a real nats-server 2.15 (the Debian server on
+the machine is 2.9 and has neither mode): each mode delivers every row once and in
+per-subject order, a duplicate inside a batch is stored once, and a message the
+stream refuses stops its own subject only."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.localservers import throwaway_nats
+from tests.support import database
+from tests.support.database import Event
+from tests.support.relayproc import wait_until
+from tests.support.stream import TestStream, run_js
+
+pytestmark = pytest.mark.integration
+
+FAST = {"poll_interval": "200ms", "backoff_base": "200ms", "backoff_max": "1s"}
+BOTH = {"allow_batched": True, "allow_atomic": True}
+
+
+@pytest.fixture(scope="module")
+def nats215():
+    with throwaway_nats() as server:
+        yield server
+
+
+def events(stream: TestStream, count: int, subjects: int) -> list[Event]:
+    return [
+        Event(stream.subject(f"kind{n % 3}"), f"entity-{n % subjects}", {"n": n})
+        for n in range(count)
+    ]
+
+
+def assert_each_once_in_order(stream: TestStream, sent: list[Event]) -> None:
+    stored = stream.read_all()
+    ids = [m.msg_id for m in stored]
+    assert sorted(ids) == sorted(str(e.id) for e in sent), "each row stored exactly once"
+    per_subject: dict[str, list[int]] = {}
+    for message in sorted(stored, key=lambda m: m.seq):
+        envelope = message.envelope
+        per_subject.setdefault(envelope["subject"], []).append(envelope["data"]["n"])
+    for subject, numbers in per_subject.items():
+        assert numbers == sorted(numbers), f"{subject} out of order"
+
+
+@pytest.mark.parametrize(
+    ("allows", "wanted", "expected"),
+    [
+        (BOTH, "auto", "batch"),
+        ({"allow_atomic": True}, "auto", "atomic"),
+        (BOTH, "atomic", "atomic"),
+        (BOTH, "message", "message"),
+        ({}, "auto", "message"),
+    ],
+)
+def test_each_mode_delivers_every_row_once_in_order(  # noqa: PLR0917 - fixtures, parameters
+    db_url, start_relay, nats215, allows, wanted, expected
+):
+    stream = TestStream(nats215.url, **allows)
+    relay = start_relay(nats_url=nats215.url, publish_mode=wanted, batch_size=300, **FAST)
+    # One transaction of 2,000 rows over 40 entities, then 200 a transaction each.
+    sent = events(stream, 2_200, subjects=40)
+    database.insert(db_url, sent[:2_000])
+    database.insert_in_order(db_url, sent[2_000:], commit_each=True)
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 60, message="every row published")
+    assert_each_once_in_order(stream, sent)
+    assert relay.metric("outbox_relay_publish_mode", stream=stream.name, mode=expected) == 1
+    assert f"{stream.name}: {expected}" in relay.logs()
+    stored_in_batches = relay.metric(
+        "outbox_relay_batch_publishes_total", mode=expected, outcome="stored"
+    )
+    if expected == "message":
+        assert not any(k.startswith("outbox_relay_batch_publishes_total") for k in relay.metrics())
+    else:
+        assert stored_in_batches > 0
+        assert (
+            relay.metric("outbox_relay_batch_publishes_total", mode=expected, outcome="turned_down")
+            == 0
+        )
+
+
+@pytest.mark.parametrize("mode", ["batch", "atomic"])
+def test_a_duplicate_inside_a_batch_is_stored_once(db_url, start_relay, nats215, mode):
+    """Rows whose messages the stream already holds (a relay crashed after the
+    broker's ack, before its mark) are claimed again among new ones: each is
+    stored once and every row ends published."""
+    stream = TestStream(nats215.url, **BOTH)
+    sent = events(stream, 400, subjects=20)
+    already = sent[100:110] + sent[250:251]
+
+    async def publish_first(js) -> None:
+        for event in already:
+            envelope = b'{"stored":"earlier"}'
+            await js.publish(event.event_type, envelope, headers={"Nats-Msg-Id": str(event.id)})
+
+    run_js(nats215.url, publish_first)
+    database.insert(db_url, sent)
+    relay = start_relay(nats_url=nats215.url, publish_mode=mode, **FAST)
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 60, message="every row published")
+    stored = stream.read_all()
+    assert sorted(m.msg_id for m in stored) == sorted(str(e.id) for e in sent)
+    if mode == "atomic":
+        # One duplicate rejects an atomic batch whole: it went one message at a time.
+        assert relay.metric("outbox_relay_batch_publishes_total", mode=mode, outcome="turned_down")
+        assert relay.metric("outbox_relay_duplicate_acks_total") >= len(already)
+    else:
+        # A fast batch skips a duplicate and goes on.
+        assert relay.metric("outbox_relay_batch_publishes_total", mode=mode, outcome="stored")
+
+
+@pytest.mark.parametrize("mode", ["batch", "atomic"])
+def test_a_message_the_stream_refuses_stops_only_its_subject(db_url, start_relay, nats215, mode):
+    stream = TestStream(nats215.url, max_msg_size=2_000, **BOTH)
+    sent = events(stream, 300, subjects=10)
+    big = 150
+    sent[big] = Event(sent[big].event_type, sent[big].subject, {"n": big, "pad": "x" * 3_000})
+    database.insert(db_url, sent)
+    relay = start_relay(nats_url=nats215.url, publish_mode=mode, max_attempts=2, **FAST)
+    blocked = {e.id for e in sent[big:] if e.subject == sent[big].subject}
+    wait_until(
+        lambda: database.unpublished_count(db_url) == len(blocked),
+        60,
+        message="every row but the refused one's subject published",
+    )
+    wait_until(lambda: database.dead_count(db_url, 2) == 1, 30, message="the refused row dead")
+    rows = database.rows_by_id(db_url)
+    assert rows[str(sent[big].id)]["attempts"] == 2
+    assert all(rows[str(i)]["published_at"] is None for i in blocked)
+    stored = {m.msg_id for m in stream.read_all()}
+    assert stored == {str(e.id) for e in sent if e.id not in blocked}
+    assert (
+        relay.metric(
+            "outbox_relay_publish_failures_total", event_type=sent[big].event_type, reason="refused"
+        )
+        == 2
+    )

@@ -1,0 +1,391 @@
+"""The pure parts of JetStream batch publishing: which mode a stream gets, how a
+claimed batch splits by mode, and what a batch's replies mean for each message
+(replies shaped as nats-server 2.15.1 sends them)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterable, Sequence
+
+import pytest
+
+from relay.batch import Batch, split_by_publish_mode
+from relay.batchreplies import (
+    FAST_BATCH_OUTSTANDING_ACKS,
+    AtomicBatch,
+    FastBatch,
+    Reply,
+    decode,
+)
+from relay.broker import api_error, atomic_batch_headers, batch_outcome, fast_batch_reply
+from relay.config import Config
+from relay.envelope import Message
+from relay.failpoints import Failpoints
+from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
+from relay.streams import PublishMode, StreamModes, choose_mode, stream_for, subject_matches
+
+TIMEOUT = Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
+ACKED = Acked()
+
+
+def reply(data: bytes, status: str | None = None) -> Reply:
+    return decode(status, data, api_error)
+
+
+FLOW_START = b'{"type":"ack","seq":0,"msgs":100}'
+
+
+def flow(seq: int, every: int = 100) -> bytes:
+    return b'{"type":"ack","seq":%d,"msgs":%d}' % (seq, every)
+
+
+def puback(count: int) -> bytes:
+    return b'{"stream":"S","seq":%d,"batch":"b1","count":%d}' % (100 + count, count)
+
+
+TOO_BIG = (
+    b'{"error":{"code":400,"err_code":10054,"description":"message size exceeds maximum '
+    b'allowed"},"stream":"T","seq":0}'
+)
+UNKNOWN_BATCH = (
+    b'{"error":{"code":400,"err_code":10208,"description":"batch publish ID unknown"},'
+    b'"stream":"T","seq":0}'
+)
+FAST_DISABLED = (
+    b'{"error":{"code":400,"err_code":10205,"description":"batch publish is disabled"},'
+    b'"stream":"U","seq":0}'
+)
+ATOMIC_DUPLICATE = (
+    b'{"error":{"code":400,"err_code":10201,"description":"atomic publish batch contains '
+    b'duplicate message id"},"stream":"S","seq":0}'
+)
+NO_SPACE = (
+    b'{"error":{"code":503,"err_code":10077,"description":"insufficient resources"},'
+    b'"stream":"S","seq":0}'
+)
+
+
+# -- which stream, which mode ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "matches"),
+    [
+        ("orders.>", "orders.placed", True),
+        ("orders.>", "orders.placed.eu", True),
+        ("orders.>", "orders", False),
+        ("orders.*", "orders.placed", True),
+        ("orders.*", "orders.placed.eu", False),
+        ("*.placed", "orders.placed", True),
+        ("orders.placed", "orders.placed", True),
+        ("orders.placed", "orders.paid", False),
+    ],
+)
+def test_subject_filters(pattern, subject, matches):
+    assert subject_matches(pattern, subject) is matches
+
+
+def test_the_stream_that_captures_a_subject():
+    streams = [StreamModes("A", ("a.>",)), StreamModes("B", ("b.*", "c.x"))]
+    assert stream_for("b.y", streams) == streams[1]
+    assert stream_for("c.x", streams) == streams[1]
+    assert stream_for("d", streams) is None
+
+
+NEW, ATOMIC_ONLY, OLD = (2, 15, 1), (2, 12, 1), (2, 9, 10)
+BOTH = StreamModes("S", ("s.>",), allow_batched=True, allow_atomic=True)
+
+
+@pytest.mark.parametrize(
+    ("stream", "version", "wanted", "mode"),
+    [
+        (BOTH, NEW, "auto", PublishMode.BATCH),
+        (BOTH, ATOMIC_ONLY, "auto", PublishMode.ATOMIC),  # fast batches came in 2.14
+        (BOTH, (2, 12, 0), "auto", PublishMode.MESSAGE),  # no Nats-Msg-Id in 2.12.0 batches
+        (BOTH, OLD, "auto", PublishMode.MESSAGE),
+        (StreamModes("S", ("s.>",), allow_atomic=True), NEW, "auto", PublishMode.ATOMIC),
+        (StreamModes("S", ("s.>",)), NEW, "auto", PublishMode.MESSAGE),
+        (BOTH, NEW, "atomic", PublishMode.ATOMIC),
+        (BOTH, NEW, "message", PublishMode.MESSAGE),
+        # Forcing a mode the stream does not allow falls back to per message.
+        (StreamModes("S", ("s.>",), allow_atomic=True), NEW, "batch", PublishMode.MESSAGE),
+        (None, NEW, "auto", PublishMode.MESSAGE),
+    ],
+)
+def test_the_mode_a_stream_gets(stream, version, wanted, mode):
+    assert choose_mode(stream, version, wanted) is mode
+
+
+def row(subject: str, event_type: str, n: int) -> OutboxRow:
+    return OutboxRow(str(uuid.uuid4()), event_type, "t", subject, "2026", "{}", float(n), n, 0)
+
+
+def test_a_row_subject_in_two_streams_goes_one_by_one_and_keeps_its_order():
+    plan = {
+        "a.x": (PublishMode.BATCH, "A"),
+        "b.x": (PublishMode.ATOMIC, "B"),
+        "m.x": (PublishMode.MESSAGE, "M"),
+    }
+    rows = [
+        row("e1", "a.x", 1),
+        row("e2", "a.x", 2),
+        row("e1", "b.x", 3),  # e1 spans A and B
+        row("e3", "a.x", 4),
+        row("e4", "b.x", 5),
+        row("e5", "b.x", 6),
+        row("e6", "m.x", 7),
+        row("e7", "a.x", 8),
+    ]
+    one_by_one, batched = split_by_publish_mode(rows, plan)
+    assert [r.seq for r in one_by_one] == [1, 3, 7]
+    assert [(mode, [r.seq for r in group]) for mode, group in batched] == [
+        (PublishMode.BATCH, [2, 4, 8]),
+        (PublishMode.ATOMIC, [5, 6]),
+    ]
+
+
+def test_a_group_of_one_row_goes_per_message():
+    plan = {"a.x": (PublishMode.BATCH, "A")}
+    one_by_one, batched = split_by_publish_mode([row("e1", "a.x", 1)], plan)
+    assert len(one_by_one) == 1
+    assert batched == []
+
+
+# -- wire formats ---------------------------------------------------------------------
+
+
+def test_fast_batch_reply_subjects_start_add_and_commit():
+    assert fast_batch_reply("_INBOX.x.", "b1", 1, 3) == "_INBOX.x.b1.500.fail.1.0.$FI"
+    assert fast_batch_reply("_INBOX.x.", "b1", 2, 3) == "_INBOX.x.b1.500.fail.2.1.$FI"
+    assert fast_batch_reply("_INBOX.x.", "b1", 3, 3) == "_INBOX.x.b1.500.fail.3.2.$FI"
+
+
+def test_atomic_batch_headers_keep_the_message_id_and_commit_on_the_last():
+    first = atomic_batch_headers({"Nats-Msg-Id": "r1"}, "b1", 1, 2)
+    last = atomic_batch_headers({"Nats-Msg-Id": "r2"}, "b1", 2, 2)
+    assert first == {"Nats-Msg-Id": "r1", "Nats-Batch-Id": "b1", "Nats-Batch-Sequence": "1"}
+    assert last["Nats-Batch-Commit"] == "1"
+    assert last["Nats-Msg-Id"] == "r2"
+
+
+def test_decoding_each_kind_of_reply():
+    assert reply(FLOW_START) == Reply("flow", seq=0, ack_every=100)
+    assert reply(b'{"type":"gap","last_seq":3,"seq":4}').kind == "gap"
+    assert reply(puback(5)) == Reply("puback", count=5)
+    assert reply(b"").kind == "ok"
+    refused = reply(TOO_BIG)
+    assert refused.kind == "error"
+    assert refused.err_code == 10054
+    assert refused.failure is not None
+    assert refused.failure.reason is FailureReason.REFUSED
+    assert reply(b"", status="503").failure.reason is FailureReason.NO_RESPONDERS
+    # Newer servers tag a mid-batch error; it reads the same.
+    tagged = reply(
+        b'{"type":"err","seq":3,"error":{"code":400,"err_code":10054,"description":"x"}}'
+    )
+    assert tagged.kind == "error"
+    assert tagged.err_code == 10054
+
+
+# -- fast batches ---------------------------------------------------------------------
+
+
+def test_fast_batch_sends_the_first_message_alone_then_within_the_outstanding_acks():
+    batch = FastBatch(1_000)
+    assert batch.may_send(0)
+    assert not batch.may_send(1)  # the server must say it takes the batch first
+    batch.on_reply(1, reply(flow(0, every=10)))
+    window = 10 * FAST_BATCH_OUTSTANDING_ACKS
+    assert batch.may_send(window - 1)
+    assert not batch.may_send(window)
+    batch.on_reply(10, reply(flow(10, every=10)))
+    assert batch.may_send(window + 9)
+    assert not batch.may_send(window + 10)
+    # Acks are cumulative: one for 40 covers a lost one for 30.
+    batch.on_reply(40, reply(flow(40, every=10)))
+    assert batch.persisted == 40
+
+
+def test_fast_batch_all_stored():
+    batch = FastBatch(5)
+    batch.on_reply(1, reply(FLOW_START))
+    batch.on_reply(5, reply(puback(5)))
+    assert batch.over
+    assert batch.results(TIMEOUT) == [ACKED] * 5
+
+
+def test_fast_batch_with_a_duplicate_inside_counts_it_stored():
+    # The server skips a message it already holds and acks the batch whole
+    # (count 5 for 5 messages, one of them a duplicate): every row is published.
+    batch = FastBatch(5)
+    batch.on_reply(1, reply(FLOW_START))
+    batch.on_reply(5, reply(puback(5)))
+    assert batch.results(TIMEOUT) == [ACKED] * 5
+
+
+def test_fast_batch_partial_failure_stops_at_the_refused_message():
+    # As 2.15.1 answers a too-large third message: its error, a gap report for the
+    # fourth, the final PubAck (count 2) and "unknown batch" for the fifth.
+    batch = FastBatch(5)
+    batch.on_reply(1, reply(FLOW_START))
+    batch.on_reply(3, reply(TOO_BIG))
+    assert not batch.over  # the final PubAck says what was stored
+    batch.on_reply(4, reply(b'{"type":"gap","last_seq":3,"seq":4}'))
+    batch.on_reply(4, reply(puback(2)))
+    batch.on_reply(5, reply(UNKNOWN_BATCH))
+    results = batch.results(TIMEOUT)
+    assert results[:2] == [ACKED, ACKED]
+    assert isinstance(results[2], Failed)
+    assert results[2].reason is FailureReason.REFUSED
+    assert results[3:] == [None, None]  # never stored: the rows stay as they were
+
+
+def test_fast_batch_whose_commit_ack_is_lost():
+    # Flow acks said 1..4 are stored; nothing after that came before the deadline.
+    batch = FastBatch(6)
+    batch.on_reply(1, reply(flow(0, every=2)))
+    batch.on_reply(2, reply(flow(2, every=2)))
+    batch.on_reply(4, reply(flow(4, every=2)))
+    assert not batch.over
+    assert batch.results(TIMEOUT) == [ACKED] * 4 + [TIMEOUT] * 2
+
+
+def test_fast_batch_refused_at_once_ends_there():
+    batch = FastBatch(3)
+    batch.on_reply(1, reply(TOO_BIG))
+    assert batch.over
+    results = batch.results(TIMEOUT)
+    assert isinstance(results[0], Failed)
+    assert results[1:] == [None, None]
+
+
+def test_fast_batch_turned_down_when_the_stream_does_not_allow_it():
+    batch = FastBatch(3)
+    batch.on_reply(1, reply(FAST_DISABLED))
+    assert batch.over
+    assert batch.batch_refused is not None
+
+
+def test_fast_batch_broker_failure_is_nobody_s_row():
+    batch = FastBatch(4)
+    batch.on_reply(1, reply(FLOW_START))
+    batch.on_reply(2, reply(b"", status="503"))
+    results = batch.results(TIMEOUT)
+    assert all(isinstance(r, Failed) and r.reason.broker_fault for r in results)
+
+
+# -- atomic batches -------------------------------------------------------------------
+
+
+def test_atomic_batch_committed():
+    batch = AtomicBatch(3)
+    batch.on_reply(reply(b""))
+    batch.on_reply(reply(puback(3)))
+    assert batch.over
+    assert not batch.send_per_message
+    assert batch.results(TIMEOUT) == [ACKED] * 3
+
+
+def test_atomic_batch_with_a_duplicate_goes_per_message():
+    batch = AtomicBatch(5)
+    batch.on_reply(reply(b""))
+    batch.on_reply(reply(ATOMIC_DUPLICATE))
+    assert batch.over
+    assert batch.send_per_message
+
+
+def test_atomic_batch_refused_for_one_message_goes_per_message():
+    batch = AtomicBatch(5)
+    batch.on_reply(reply(TOO_BIG))
+    assert batch.send_per_message  # which message, only a publish each can tell
+
+
+def test_atomic_batch_refused_for_the_stream_s_state_fails_whole_without_blame():
+    batch = AtomicBatch(2)
+    batch.on_reply(reply(NO_SPACE))
+    assert not batch.send_per_message
+    assert all(r.reason is FailureReason.STREAM_UNAVAILABLE for r in batch.results(TIMEOUT))
+
+
+def test_atomic_batch_whose_commit_ack_is_lost_is_unknown_whole():
+    batch = AtomicBatch(3)
+    batch.on_reply(reply(b""))
+    assert not batch.over
+    assert batch.results(TIMEOUT) == [TIMEOUT] * 3
+
+
+def test_batch_outcome_labels():
+    assert batch_outcome([ACKED, ACKED]) == "stored"
+    assert batch_outcome([ACKED, Failed(FailureReason.REFUSED, "x"), None]) == "stopped"
+    assert batch_outcome([ACKED, TIMEOUT]) == "unanswered"
+
+
+# -- the batch's loop over batches ----------------------------------------------------
+
+
+class ScriptedBroker:
+    """Answers each batch publish from a script: per call, a function of the
+    messages sent to their results."""
+
+    max_payload = 1024 * 1024
+
+    def __init__(self, script: list) -> None:
+        self.script = script
+        self.batches: list[list[str]] = []
+        self.waves: list[list[str]] = []
+
+    async def publish_modes(self, subjects: Iterable[str]) -> dict[str, tuple[PublishMode, str]]:
+        return dict.fromkeys(subjects, (PublishMode.BATCH, "S"))
+
+    async def publish_batch(
+        self, mode: PublishMode, messages: Sequence[Message], budget: float
+    ) -> list[PublishResult | None] | None:
+        self.batches.append([m.headers["Nats-Msg-Id"] for m in messages])
+        return self.script.pop(0)(messages)
+
+    async def publish_wave(self, messages: Sequence[Message], budget: float) -> list[PublishResult]:
+        self.waves.append([m.headers["Nats-Msg-Id"] for m in messages])
+        return [ACKED] * len(messages)
+
+
+def publish(broker: ScriptedBroker, rows: list[OutboxRow]) -> dict:
+    batch = Batch(config=Config(), database=None, broker=broker, failpoints=Failpoints(frozenset()))  # type: ignore[arg-type]
+
+    async def run() -> dict:
+        deadline = asyncio.get_running_loop().time() + 5
+        return await batch._publish(rows, deadline)
+
+    return asyncio.run(run())
+
+
+def test_after_a_refused_message_the_other_subjects_go_in_the_next_batch():
+    rows = [row(f"e{n % 3}", "s.x", n) for n in range(9)]  # e0, e1, e2, e0, ...
+    refused = Failed(FailureReason.REFUSED, "too big")
+    broker = ScriptedBroker([
+        lambda ms: [ACKED, ACKED, ACKED, ACKED, refused] + [None] * 4,  # row 4 (e1) refused
+        lambda ms: [ACKED] * len(ms),
+    ])  # fmt: skip
+    results = publish(broker, rows)
+    # The second batch holds rows 5..8 but not those of e1 (row 7), behind row 4.
+    assert broker.batches[1] == [rows[n].id for n in (5, 6, 8)]
+    assert results[rows[4].id] is refused
+    assert rows[7].id not in results  # unsent, left as it was
+    assert all(isinstance(results[rows[n].id], Acked) for n in (0, 1, 2, 3, 5, 6, 8))
+
+
+def test_a_batch_turned_down_goes_one_message_at_a_time_in_waves():
+    rows = [row(f"e{n % 2}", "s.x", n) for n in range(4)]
+    broker = ScriptedBroker([lambda ms: None])
+    results = publish(broker, rows)
+    assert broker.waves == [[rows[0].id, rows[1].id], [rows[2].id, rows[3].id]]
+    assert all(isinstance(r, Acked) for r in results.values())
+    assert len(results) == 4
+
+
+def test_the_broker_s_failure_ends_the_pass_without_another_batch():
+    rows = [row(f"e{n}", "s.x", n) for n in range(4)]
+    broker = ScriptedBroker([lambda ms: [ACKED, TIMEOUT, TIMEOUT, TIMEOUT]])
+    results = publish(broker, rows)
+    assert len(broker.batches) == 1
+    assert results[rows[1].id] is TIMEOUT
