@@ -179,6 +179,34 @@ def send_queued(nc: Client) -> None:
     nc._pending_data_size = 0
 
 
+def hpub_frame(subject: str, reply: str, headers: Mapping[str, str], body: bytes) -> bytes:
+    """One HPUB protocol frame, as nats-py's publish writes it (a test holds the two
+    byte for byte), built in one step: a batch needs neither nats-py's per-message
+    checks (the subject and size were checked when the row was) nor its per-message
+    queueing, which cost a fast batch more than the rest of its sending."""
+    head = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    block = head.encode()
+    size = len(block)
+    command = (
+        f"HPUB {subject} {reply} {size} {size + len(body)}\r\n"
+        if reply
+        else (f"HPUB {subject} {size} {size + len(body)}\r\n")
+    )
+    return command.encode() + block + body + b"\r\n"
+
+
+def queue_frames(nc: Client, frames: list[bytes]) -> bool:
+    """Queue protocol frames on nats-py's write buffer, for :func:`send_queued`;
+    False (nothing queued) when not connected. Reads nats-py's private write queue,
+    as send_queued does."""
+    pending = getattr(nc, "_pending", None)
+    if pending is None or not nc.is_connected:
+        return False
+    pending.extend(frames)
+    nc._pending_data_size += sum(map(len, frames))
+    return True
+
+
 class _Wave:
     """The acks one wave waits for: a result slot per message, and one future that
     is set when the last outstanding ack arrives (one wake-up per wave, not one per
@@ -663,17 +691,15 @@ class Broker:
         """Send what flow control lets go now: the first message alone, then while
         fewer than FAST_BATCH_OUTSTANDING_ACKS acks are outstanding."""
         last = len(messages)
+        frames: list[bytes] = []
         while state.sent < last and state.may_send(state.sent):
             message = messages[state.sent]
             state.sent += 1
-            reply = reply_to(state.sent)
-            try:
-                await nc.publish(
-                    message.subject, message.body, reply=reply, headers=message.headers
-                )
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a value
-                state.broker_failure = classify(exc)
-                break
+            frames.append(
+                hpub_frame(message.subject, reply_to(state.sent), message.headers, message.body)
+            )
+        if frames and not queue_frames(nc, frames):
+            state.broker_failure = Failed(FailureReason.DISCONNECTED, "not connected to NATS")
         send_queued(nc)
 
     async def _send_atomic(
@@ -687,14 +713,17 @@ class Broker:
         """Send the whole batch: replies only on the first message (an error there
         says the batch will not be taken) and on the commit."""
         last = len(messages)
-        for seq, message in enumerate(messages, 1):
-            reply = f"{prefix}{batch_id}.{seq}" if seq in (1, last) else ""
-            headers = atomic_batch_headers(message.headers, batch_id, seq, last)
-            try:
-                await nc.publish(message.subject, message.body, reply=reply, headers=headers)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a value
-                state.on_reply(decode_failure(classify(exc)))
-                break
+        frames = [
+            hpub_frame(
+                message.subject,
+                f"{prefix}{batch_id}.{seq}" if seq in (1, last) else "",
+                atomic_batch_headers(message.headers, batch_id, seq, last),
+                message.body,
+            )
+            for seq, message in enumerate(messages, 1)
+        ]
+        if not queue_frames(nc, frames):
+            state.on_reply(decode_failure(Failed(FailureReason.DISCONNECTED, "not connected")))
         send_queued(nc)
 
     async def _batch_inbox(self, nc: Client) -> _BatchInbox:

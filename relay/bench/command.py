@@ -178,6 +178,49 @@ async def _drains(plan: Plan, progress: Progress, report: Report, target: Target
         )
 
 
+PUBLISH_MODES = ("message", "batch", "atomic")
+
+
+async def _publish_modes(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
+    """The drain and the relay's CPU per row in each --publish-mode, into a stream
+    that allows batches; then the latency at 1,000/s with fast batches."""
+    await target.allow_batches(True)
+    try:
+        for mode in PUBLISH_MODES:
+            rates, cpu = [], []
+            for rep in range(plan.repetitions):
+                with progress.step(f"drain, --publish-mode {mode} ({rep + 1}/{plan.repetitions})"):
+                    await target.reset()
+                    rate, per_row = await measure.drain_in_mode(target, plan.drain_rows, mode)
+                rates.append(rate)
+                cpu.append(per_row)
+            report.add(
+                f"drain_mode_{mode}_rate",
+                f"relay: drain {plan.drain_rows:,} rows, --publish-mode {mode}",
+                "rows/s",
+                rates,
+            )
+            report.add(f"cpu_mode_{mode}", f"relay: CPU per row, --publish-mode {mode}", "us", cpu)
+        p99 = []
+        for rep in range(plan.repetitions):
+            with progress.step(
+                f"relay end-to-end latency at 1000/s, batches ({rep + 1}/{plan.repetitions})"
+            ):
+                await target.reset()
+                samples = await measure.end_to_end(
+                    target, 1000.0, plan.latency_seconds, publish_mode="batch"
+                )
+                p99.append(percentile(samples, 0.99) * 1000)
+        report.add(
+            "relay_latency_batch_1000_p99",
+            "relay: commit to consumer at 1000/s, p99, --publish-mode batch",
+            "ms",
+            p99,
+        )
+    finally:
+        await target.allow_batches(False)
+
+
 async def _claim_walk(plan: Plan, progress: Progress, report: Report, target: Target) -> None:
     """What rows the claim cannot take but walks past cost it: rows of a subject no
     stream captures (each waiting out its retry), and rows held behind dead rows."""
@@ -364,7 +407,7 @@ async def _frozen_relay(plan: Plan, progress: Progress, report: Report, target: 
 
 async def run_all(target: Target, plan: Plan) -> Report:
     report = Report()
-    progress = Progress(total=plan.repetitions * 26 + 2)
+    progress = Progress(total=plan.repetitions * 30 + 2)
 
     for key, name, what, measurement in (
         ("wake_floor", "floor: LISTEN wake-up, commit to listener", "LISTEN wake-up floor",
@@ -409,6 +452,7 @@ async def run_all(target: Target, plan: Plan) -> Report:
     for rate in (100.0, 1000.0):
         await _latency(plan, progress, report, target, rate=rate, plain=False)
     await _drains(plan, progress, report, target)
+    await _publish_modes(plan, progress, report, target)
     await _claim_walk(plan, progress, report, target)
     with progress.step(f"relay draining {plan.memory_rows:,} rows of one transaction"):
         await target.reset()
@@ -458,7 +502,21 @@ def verdicts(report: Report) -> list[Verdict]:
     floor = min(report.get("claim_mark_rate"), report.get("publish_rate"))
     wake_publish = report.get("wake_floor") + report.get("publish_floor")
     drain = report.get("drain_rate")
+    batched = report.get("drain_mode_batch_rate")
     checks = [
+        (
+            "drain with fast batches >= 1.2 x the per-message publish floor",
+            batched,
+            1.2 * report.get("publish_rate"),
+            batched >= 1.2 * report.get("publish_rate"),
+        ),
+        (
+            "p99 at 1000/s with fast batches <= 1.25 x per message",
+            report.get("relay_latency_batch_1000_p99"),
+            1.25 * report.get("relay_latency_1000_p99"),
+            report.get("relay_latency_batch_1000_p99")
+            <= 1.25 * report.get("relay_latency_1000_p99"),
+        ),
         ("drain >= 0.8 x the lower raw floor", drain, 0.8 * floor, drain >= 0.8 * floor),
         (
             "drain >= 8 x the plain poller",

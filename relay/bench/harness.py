@@ -74,6 +74,17 @@ class Target:
         finally:
             await nc.close()
 
+    async def allow_batches(self, allowed: bool) -> None:
+        """Let the stream take batch publishes, fast and atomic (or no longer)."""
+        nc = await nats.connect(self.nats_url)
+        try:
+            js = nc.jetstream()
+            config = (await js.stream_info(self.stream)).config
+            config.allow_batched = config.allow_atomic = allowed or None
+            await js.update_stream(config)
+        finally:
+            await nc.close()
+
     async def install(self) -> None:
         """`outbox-relay install` on the database (the relay's trigger included)."""
         await asyncio.to_thread(install, connection_string(self.url), Names.for_config(Config()))
@@ -282,6 +293,14 @@ class RelayProcess:
             except TimeoutError:
                 self.process.kill()
                 await self.process.wait()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the process has used so far, user and system (/proc/PID/stat)."""
+        assert self.process is not None
+        stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        utime, stime = int(fields[11]), int(fields[12])
+        return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
     def peak_rss_mb(self) -> float:
         """The process's peak resident memory so far (VmHWM), in MiB."""

@@ -136,13 +136,13 @@ async def publish_rate(target: Target, messages: int) -> float:
 
 
 async def end_to_end(
-    target: Target, rate: float, seconds: float, *, plain: bool = False
+    target: Target, rate: float, seconds: float, *, plain: bool = False, **settings: str
 ) -> list[float]:
     """Seconds from COMMIT to the consumer, at ``rate`` events/s from four producers,
     through the relay (or the plain poller)."""
     async with (
         Consumer(target.nats_url, f"{target.prefix}.>") as consumer,
-        _publisher(target, plain),
+        _Publishing(target, plain, 1, settings),
     ):
         committed = await produce_at_rate(target.url, target.event_type, rate, seconds)
         async with asyncio.timeout(30):
@@ -187,16 +187,33 @@ async def drain_memory(target: Target, rows: int) -> tuple[float, float]:
         return publishing.peak_rss_mb(), rate
 
 
-def _publisher(target: Target, plain: bool, replicas: int = 1) -> _Publishing:
-    return _Publishing(target, plain, replicas)
+async def drain_in_mode(target: Target, rows: int, mode: str) -> tuple[float, float]:
+    """Rows/s to publish a backlog of ``rows`` (a transaction each) with
+    ``--publish-mode mode``, and the relay's CPU microseconds per row meanwhile."""
+    async with _publisher(target, False, publish_mode=mode) as publishing:
+        await target.fill(rows)
+        cpu = publishing.cpu_seconds()
+        started = time.perf_counter()
+        await target.execute("select pg_notify('outbox_events', '')")
+        await target.wait_until_drained(0.05)
+        elapsed = time.perf_counter() - started
+        return rows / elapsed, (publishing.cpu_seconds() - cpu) / rows * 1e6
+
+
+def _publisher(target: Target, plain: bool, replicas: int = 1, **settings: str) -> _Publishing:
+    """The relay (``settings``: its options, as ``OUTBOX_RELAY_*``), or the plain poller."""
+    return _Publishing(target, plain, replicas, settings)
 
 
 class _Publishing:
-    def __init__(self, target: Target, plain: bool, replicas: int) -> None:
+    def __init__(
+        self, target: Target, plain: bool, replicas: int, settings: dict[str, str]
+    ) -> None:
         self._target = target
         self._plain = plain
         self._relays = [
-            RelayProcess(target.url, target.nats_url) for _ in range(0 if plain else replicas)
+            RelayProcess(target.url, target.nats_url, **settings)
+            for _ in range(0 if plain else replicas)
         ]
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -213,6 +230,9 @@ class _Publishing:
 
     def peak_rss_mb(self) -> float:
         return max(relay.peak_rss_mb() for relay in self._relays)
+
+    def cpu_seconds(self) -> float:
+        return sum(relay.cpu_seconds() for relay in self._relays)
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:

@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 import pytest
+from nats.aio.client import _CRLF_, NATS_HDR_LINE
+from nats.protocol.command import hpub_cmd
 
 from relay.batch import Batch, split_by_publish_mode
 from relay.batchreplies import (
@@ -18,7 +20,13 @@ from relay.batchreplies import (
     Reply,
     decode,
 )
-from relay.broker import api_error, atomic_batch_headers, batch_outcome, fast_batch_reply
+from relay.broker import (
+    api_error,
+    atomic_batch_headers,
+    batch_outcome,
+    fast_batch_reply,
+    hpub_frame,
+)
 from relay.config import Config
 from relay.envelope import Message
 from relay.failpoints import Failpoints
@@ -389,3 +397,18 @@ def test_the_broker_s_failure_ends_the_pass_without_another_batch():
     results = publish(broker, rows)
     assert len(broker.batches) == 1
     assert results[rows[1].id] is TIMEOUT
+
+
+def test_hpub_frames_are_what_nats_py_writes():
+    headers = {"Nats-Msg-Id": "0190a1b2-0000-4000-8000-000000000001", "Nats-Batch-Sequence": "7"}
+    body = b'{"specversion":"1.0","data":{"n":1}}'
+    block = bytearray(NATS_HDR_LINE + _CRLF_)
+    for key, value in headers.items():
+        block += key.encode() + b": " + value.encode() + _CRLF_
+    block += _CRLF_
+    theirs = hpub_cmd("orders.placed", "_INBOX.x.b1.1", block, body)
+    assert hpub_frame("orders.placed", "_INBOX.x.b1.1", headers, body) == theirs
+    # Without a reply nats-py leaves two spaces where the reply goes; the server
+    # reads both the same.
+    without = hpub_cmd("orders.placed", "", block, body).replace(b"  ", b" ", 1)
+    assert hpub_frame("orders.placed", "", headers, body) == without
