@@ -60,6 +60,12 @@ def split_by_publish_mode(
     per row subject, which may span event types and so streams: a row subject with
     rows in two streams, or in a stream published per message, goes one message
     each, whose waves keep its order across streams. Each list keeps ``rows``' order."""
+    targets = set(plan.values())
+    if len(targets) == 1:  # one stream, the common case: no row subject spans two
+        [(mode, _)] = targets
+        if mode is PublishMode.MESSAGE or len(rows) < MIN_BATCH_MESSAGES:
+            return list(rows), []
+        return [], [(mode, list(rows))]
     streams_of: dict[str, set[tuple[PublishMode, str]]] = {}
     for row in rows:
         streams_of.setdefault(row.subject, set()).add(plan[row.event_type])

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_faults import FAST, MAX_ATTEMPTS, finish
+from tests.integration.test_faults import (
+    FAST,
+    MAX_ATTEMPTS,
+    PUBLISH_MODES,
+    STREAM_ALLOWING,
+    finish,
+)
 from tests.support import database
 from tests.support.campaign import Campaign
 from tests.support.cluster import throwaway_cluster
@@ -17,14 +23,19 @@ from tests.support.relayproc import wait_until
 pytestmark = pytest.mark.faults
 
 
-def test_leader_lost_stepped_down_and_quorum_lost_kill_and_reorder_nothing(db_url, start_relay):
+@pytest.mark.parametrize("mode", PUBLISH_MODES)
+def test_leader_lost_stepped_down_and_quorum_lost_kill_and_reorder_nothing(
+    db_url, start_relay, mode
+):
     with throwaway_cluster() as cluster:
-        stream = cluster.r3_stream()
+        stream = cluster.r3_stream(**STREAM_ALLOWING[mode])
         # About 200 events/s over 100 subjects.
         campaign = Campaign(db_url, stream, producers=4, subjects_per_producer=25, pause=0.04)
         campaign.start()
         try:
-            relays = [start_relay(nats_url=cluster.url, **FAST) for _ in range(2)]
+            relays = [
+                start_relay(nats_url=cluster.url, publish_mode=mode, **FAST) for _ in range(2)
+            ]
 
             def step(events: int = 300) -> None:
                 campaign.wait_for(len(campaign.committed) + events, timeout=120)

@@ -27,6 +27,14 @@ from tests.support.stream import TestStream
 
 pytestmark = pytest.mark.faults
 
+# The publish modes, each with a stream that allows it (nats-server 2.15; the
+# machine's shared 2.9 server takes neither batch mode).
+PUBLISH_MODES = ("message", "batch", "atomic")
+STREAM_ALLOWING: dict[str, dict[str, bool]] = {
+    "message": {},
+    "batch": {"allow_batched": True},
+    "atomic": {"allow_atomic": True},
+}
 MAX_ATTEMPTS = 8
 # Fast retries, so a campaign drains in seconds after its faults.
 FAST = {
@@ -410,11 +418,13 @@ def test_poison_rows_in_good_traffic(db_url, stream, start_relay):
         campaign.close()
 
 
-def test_mixed_campaign_of_every_fault(start_relay):
-    """At least 20,000 events through one of every fault kind, then the checker."""
+@pytest.mark.parametrize("publish_mode", PUBLISH_MODES)
+def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
+    """At least 20,000 events through one of every fault kind, then the checker; in
+    each publish mode (nats-server 2.15, a stream allowing that mode)."""
     with throwaway_postgres() as pg, throwaway_nats() as nats:
         database.install(pg.url)
-        stream = TestStream(nats.url)
+        stream = TestStream(nats.url, **STREAM_ALLOWING[publish_mode])
         campaign = Campaign(pg.url, stream, producers=6, poison_rate=0.01, pause=0.001).start()
         with proxy_to(pg.port) as pg_proxy, proxy_to(nats.port) as nats_proxy:
             via = {
@@ -422,6 +432,7 @@ def test_mixed_campaign_of_every_fault(start_relay):
                 "nats_url": f"nats://127.0.0.1:{nats_proxy.port}",
                 **FAST,
                 "listen_keepalive": "1s",
+                "publish_mode": publish_mode,
             }
             relays = [start_relay(**via) for _ in range(3)]
 

@@ -49,13 +49,14 @@ class ThrowawayCluster:
         """Every node's URL, comma-separated, as the relay takes them."""
         return ",".join(self.urls)
 
-    def r3_stream(self) -> TestStream:
+    def r3_stream(self, **settings: object) -> TestStream:
         """A test stream with a replica on every node, once the cluster can make one
-        (a new cluster elects its meta leader first)."""
+        (a new cluster elects its meta leader first); ``settings``: more of its
+        configuration (the batch publishing it allows)."""
 
         def attempt() -> TestStream | None:
             try:
-                return TestStream(self.url, num_replicas=3)
+                return TestStream(self.url, num_replicas=3, **settings)
             except Exception:  # noqa: BLE001 - not yet: try again
                 return None
 

@@ -412,3 +412,11 @@ def test_hpub_frames_are_what_nats_py_writes():
     # reads both the same.
     without = hpub_cmd("orders.placed", "", block, body).replace(b"  ", b" ", 1)
     assert hpub_frame("orders.placed", "", headers, body) == without
+
+
+def test_one_stream_is_one_group():
+    plan = {"a.x": (PublishMode.BATCH, "A"), "a.y": (PublishMode.BATCH, "A")}
+    rows = [row("e1", "a.x", 1), row("e2", "a.y", 2), row("e1", "a.y", 3)]
+    assert split_by_publish_mode(rows, plan) == ([], [(PublishMode.BATCH, rows)])
+    message = {"a.x": (PublishMode.MESSAGE, "A")}
+    assert split_by_publish_mode(rows[:1], message) == (rows[:1], [])
