@@ -5,7 +5,12 @@ stream refuses stops its own subject only."""
 
 from __future__ import annotations
 
+import json
+import uuid
+from pathlib import Path
+
 import pytest
+from nats.js.api import StreamConfig
 
 from relay.localservers import throwaway_nats
 from tests.support import database
@@ -15,6 +20,7 @@ from tests.support.stream import TestStream, run_js
 
 pytestmark = pytest.mark.integration
 
+DEPLOY_STREAM = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "events-stream.json"
 FAST = {"poll_interval": "200ms", "backoff_base": "200ms", "backoff_max": "1s"}
 BOTH = {"allow_batched": True, "allow_atomic": True}
 
@@ -135,3 +141,28 @@ def test_a_message_the_stream_refuses_stops_only_its_subject(db_url, start_relay
         )
         == 2
     )
+
+
+def test_the_deploy_stream_takes_fast_batches(db_url, start_relay, nats215):
+    """deploy/nats/events-stream.json, as the README's step 1 adds it (one replica
+    here), is accepted by nats-server 2.15 and gets fast batches."""
+    config = json.loads(DEPLOY_STREAM.read_text())
+    config.update(num_replicas=1, name=f"EVENTS{uuid.uuid4().hex[:8]}")
+    prefix = f"billing{uuid.uuid4().hex[:8]}"
+    config["subjects"] = [f"{prefix}.>"]
+
+    async def add(js) -> None:
+        await js.add_stream(StreamConfig.from_response(config))
+
+    run_js(nats215.url, add)
+    relay = start_relay(nats_url=nats215.url, **FAST)
+    database.insert(
+        db_url, [Event(f"{prefix}.invoice.paid", f"i{n % 5}", {"n": n}) for n in range(50)]
+    )
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 30, message="every row published")
+    assert relay.metric("outbox_relay_publish_mode", stream=config["name"], mode="batch") == 1
+
+    async def delete(js) -> None:
+        await js.delete_stream(config["name"])
+
+    run_js(nats215.url, delete)
