@@ -13,6 +13,7 @@ from tests.integration.test_faults import (
     MAX_ATTEMPTS,
     PUBLISH_MODES,
     STREAM_ALLOWING,
+    assert_batches_stored,
     finish,
 )
 from tests.support import database
@@ -86,6 +87,7 @@ def test_leader_lost_stepped_down_and_quorum_lost_kill_and_reorder_nothing(
                 cluster.start(node)
             wait_until(lambda: published() > before, timeout=120, message="publishing again")
             step()
+            assert_batches_stored(relays, mode)
             verdict = finish(
                 campaign, *relays, title="jetstream cluster campaign", drain_timeout=180
             )

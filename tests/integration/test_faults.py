@@ -46,6 +46,16 @@ FAST = {
 }
 
 
+def assert_batches_stored(relays: list, mode: str) -> None:
+    """In a batch mode, the relays did publish batches (not every row per message)."""
+    if mode != "message":
+        stored = sum(
+            r.metric("outbox_relay_batch_publishes_total", mode=mode, outcome="stored")
+            for r in relays
+        )
+        assert stored > 0, f"no {mode} batch stored"
+
+
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
 
@@ -504,6 +514,7 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
                 late.result(timeout=300)
             faults.append("late commit")
             campaign.wait_for(20_000, timeout=300)
+            assert_batches_stored(relays, publish_mode)
             verdict = finish(
                 campaign,
                 *relays,
