@@ -15,8 +15,8 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check relay tests
-	$(BIN)/ruff format --check relay tests
+	$(BIN)/ruff check relay relay_tools tests
+	$(BIN)/ruff format --check relay relay_tools tests
 
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy

@@ -1,7 +1,7 @@
 """`outbox-relay run`: one trio nursery holding every task of the relay.
 
 Tasks: the signal watcher, the metrics/health server, the NATS connector, the
-LISTEN task, the fallback poll timer, the publisher loop, the table gauges and
+LISTEN task, the fallback poll timer, the scheduler loop, the table gauges and
 retention. Shutdown goes through trio: SIGTERM or SIGINT stops claiming, lets
 the batch in flight finish inside the publish timeout, then cancels the rest.
 """
@@ -29,8 +29,9 @@ from relay.httpserver import HttpServer, metrics_route
 from relay.listen_connection import PostgresListenConnection
 from relay.listener import Listener, server_idle_timeout
 from relay.metrics import Metrics
-from relay.publisher import Publisher
 from relay.retention import run_retention
+from relay.retry import retry
+from relay.scheduler import Scheduler
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Relay:
             broker=self.broker,
             failpoints=Failpoints(config.failpoints),
         )
-        self.publisher = Publisher(
+        self.scheduler = Scheduler(
             config=config,
             run_batch=functools.partial(aio.call, batch.run),
             broker=self.broker,
@@ -83,8 +84,8 @@ class Relay:
             wakeup=self.wakeup,
             listener=self.listener,
         )
-        self._publisher_started = False
-        self._publisher_done = trio.Event()
+        self._scheduler_started = False
+        self._scheduler_done = trio.Event()
         self.metrics.ready.set_function(lambda: 0.0 if self.health.not_ready_reason() else 1.0)
 
     def _broker_changed(self, connected: bool) -> None:
@@ -101,12 +102,12 @@ class Relay:
     # -- health -----------------------------------------------------------------
 
     def liveness(self) -> tuple[int, str, bytes]:
-        # Alive while the publisher loop keeps turning: it wakes at least every poll
+        # Alive while the scheduler loop keeps turning: it wakes at least every poll
         # interval, and a batch never takes longer than the publish timeout.
         limit = max(30.0, 3 * self.config.poll_interval, 3 * self.config.publish_timeout)
-        stalled = trio.current_time() - self.publisher.heartbeat
+        stalled = trio.current_time() - self.scheduler.heartbeat
         if stalled > limit:
-            return 503, "text/plain", f"publisher loop stalled for {stalled:.0f}s\n".encode()
+            return 503, "text/plain", f"scheduler loop stalled for {stalled:.0f}s\n".encode()
         return 200, "text/plain", b"ok\n"
 
     def readiness(self) -> tuple[int, str, bytes]:
@@ -123,25 +124,20 @@ class Relay:
                 log.info("%s received: finishing the batch in flight", signal.Signals(signum).name)
                 self.stop()
                 break
-        if self._publisher_started:
-            # The publisher stops between batches; a batch ends within the publish
+        if self._scheduler_started:
+            # The scheduler stops between batches; a batch ends within the publish
             # timeout. The margin covers its mark and commit.
             with trio.move_on_after(self.config.publish_timeout + 5.0):
-                await self._publisher_done.wait()
+                await self._scheduler_done.wait()
         cancel_scope.cancel()
 
     async def _connect_broker(self) -> None:
-        backoff = ReconnectBackoff(initial=0.2, cap=10.0)
-        while True:
-            try:
-                await self.broker.connect()
-            except Exception as exc:  # noqa: BLE001 - translated and retried
-                delay = backoff.next_delay()
-                log.warning("%s; retrying in %.1fs", exc, delay)
-                await trio.sleep(delay)
-            else:
-                await self._check_duplicate_windows()
-                return
+        await retry(
+            self.broker.connect,
+            failures=(Exception,),
+            backoff=ReconnectBackoff(initial=0.2, cap=10.0),
+        )
+        await self._check_duplicate_windows()
 
     async def _check_duplicate_windows(self) -> None:
         """Warn about streams that forget a message id before a retried row comes back:
@@ -178,45 +174,46 @@ class Relay:
     async def _await_setup(self) -> bool:
         """Wait for the database, then check the table is installed. False means a
         setup problem that needs an operator (the relay exits)."""
-        backoff = ReconnectBackoff(initial=0.2, cap=10.0)
-        while True:
-            try:
-                report = await self.database.check_setup()
-            except SetupError as exc:
-                self.health.setup_problem = str(exc)
-                return False
-            except DatabaseUnavailable as exc:
-                delay = backoff.next_delay()
-                self.health.database = False
-                log.warning("%s; retrying in %.1fs", exc, delay)
-                await trio.sleep(delay)
-                continue
-            self.health.database = True
-            if report.adopted_dead:
-                log.warning(
-                    "%d rows of %s were at the attempt cap (%d) or dead without holding their "
-                    "subjects: marked dead now, holding back the later rows of their subjects "
-                    "(`outbox-relay status` lists them; `requeue` retries them, `skip` gives "
-                    "up on them)",
-                    report.adopted_dead,
-                    self.config.table_display,
-                    self.config.max_attempts,
-                )
-            if not report.trigger_present:
-                log.warning(
-                    "notify trigger is not installed on %s: relying on the %.3gs poll only "
-                    "(run `outbox-relay install` for instant wake-ups)",
-                    self.config.table_display,
-                    self.config.poll_interval,
-                )
-            return True
 
-    async def _run_publisher(self) -> None:
-        self._publisher_started = True
+        def database_down(_: BaseException) -> None:
+            self.health.database = False
+
         try:
-            await self.publisher.run(self.stopping)
+            report = await retry(
+                self.database.check_setup,
+                failures=(DatabaseUnavailable,),
+                backoff=ReconnectBackoff(initial=0.2, cap=10.0),
+                on_failure=database_down,
+            )
+        except SetupError as exc:
+            self.health.setup_problem = str(exc)
+            return False
+        self.health.database = True
+        if report.adopted_dead:
+            log.warning(
+                "%d rows of %s were at the attempt cap (%d) or dead without holding their "
+                "subjects: marked dead now, holding back the later rows of their subjects "
+                "(`outbox-relay status` lists them; `requeue` retries them, `skip` gives "
+                "up on them)",
+                report.adopted_dead,
+                self.config.table_display,
+                self.config.max_attempts,
+            )
+        if not report.trigger_present:
+            log.warning(
+                "notify trigger is not installed on %s: relying on the %.3gs poll only "
+                "(run `outbox-relay install` for instant wake-ups)",
+                self.config.table_display,
+                self.config.poll_interval,
+            )
+        return True
+
+    async def _run_scheduler(self) -> None:
+        self._scheduler_started = True
+        try:
+            await self.scheduler.run(self.stopping)
         finally:
-            self._publisher_done.set()
+            self._scheduler_done.set()
 
     def _start_tasks(self, nursery: trio.Nursery) -> None:
         config = self.config
@@ -227,7 +224,7 @@ class Relay:
         nursery.start_soon(run_retention, config, self.database, self.metrics)
         if config.audit_interval:
             nursery.start_soon(run_audits, config, self.broker, self.metrics)
-        nursery.start_soon(self._run_publisher)
+        nursery.start_soon(self._run_scheduler)
 
     async def run(
         self, *, task_status: trio.TaskStatus[int | None] = trio.TASK_STATUS_IGNORED

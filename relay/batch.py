@@ -1,7 +1,7 @@
 """One batch, whole, on the asyncio side: claim, publish in per-subject order, mark,
 commit.
 
-The publisher (trio) decides when a batch runs and how long it may take; the batch
+The scheduler (trio) decides when a batch runs and how long it may take; the batch
 itself is a single call through :func:`relay.aio.call`. It awaits only the asyncio
 halves of the two doors (:class:`relay.database.Transaction`,
 :meth:`relay.broker.Broker.publish_wave`) and calls only pure decisions.

@@ -569,7 +569,7 @@ class Broker:
             return [Failed(FailureReason.DISCONNECTED, "not connected to NATS")] * len(messages)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
-        acks = await self._ack_inbox(nc)
+        acks, _ = await self._inboxes(nc)
         wave = _Wave(len(messages), loop)
         for index, message in enumerate(messages):
             reply = acks.expect(wave, index, message.subject)
@@ -608,7 +608,7 @@ class Broker:
             return [Failed(FailureReason.DISCONNECTED, "not connected to NATS")] * len(messages)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
-        replies = await self._batch_inbox(nc)
+        _, replies = await self._inboxes(nc)
         batch_id = uuid.uuid4().hex
         woken = asyncio.Event()
         state: FastBatch | AtomicBatch
@@ -726,19 +726,17 @@ class Broker:
             state.on_reply(decode_failure(Failed(FailureReason.DISCONNECTED, "not connected")))
         send_queued(nc)
 
-    async def _batch_inbox(self, nc: Client) -> _BatchInbox:
-        if self._batch_replies is None:
-            replies = _BatchInbox(nc.new_inbox() + ".")
-            await nc.subscribe(replies.prefix + ">", cb=replies.on_reply)
-            self._batch_replies = replies
-        return self._batch_replies
-
-    async def _ack_inbox(self, nc: Client) -> _AckInbox:
-        if self._acks is None:
-            acks = _AckInbox(nc.new_inbox() + ".")
+    async def _inboxes(self, nc: Client) -> tuple[_AckInbox, _BatchInbox]:
+        """The reply subscriptions, made on first use: one for the acks of single
+        messages (``<inbox>.a.<token>``), one for the replies of batches
+        (``<inbox>.b.<batch id>...``)."""
+        if self._acks is None or self._batch_replies is None:
+            inbox = nc.new_inbox()
+            acks, replies = _AckInbox(inbox + ".a."), _BatchInbox(inbox + ".b.")
             await nc.subscribe(acks.prefix + "*", cb=acks.on_reply)
-            self._acks = acks
-        return self._acks
+            await nc.subscribe(replies.prefix + ">", cb=replies.on_reply)
+            self._acks, self._batch_replies = acks, replies
+        return self._acks, self._batch_replies
 
     async def _confirm_no_stream(
         self, messages: Sequence[Message], results: list[PublishResult], deadline: float

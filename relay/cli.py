@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import nats.errors
 import psycopg
 
-from relay import __version__, app, audit, database, localservers, operator, sqlfiles
+from relay import __version__, app, audit, backlog, database, sqlfiles
 from relay.config import (
     RUN_OPTIONS,
     Config,
@@ -77,6 +77,16 @@ def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> 
         )
 
 
+def _add_row_change_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """--execute and the settings of a command that changes rows (a dry run without)."""
+    parser.add_argument(
+        "--execute",
+        action="store_true",
+        help="change the rows (without it, only show what would change)",
+    )
+    _add_options(parser, _options_for(command))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="outbox-relay",
@@ -130,12 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dead rows of this event type; repeatable",
     )
     requeue.add_argument("--all-dead", action="store_true", help="every dead row")
-    requeue.add_argument(
-        "--execute",
-        action="store_true",
-        help="change the rows (without it, only show what would change)",
-    )
-    _add_options(requeue, _options_for("requeue"))
+    _add_row_change_options(requeue, "requeue")
     skip = commands.add_parser(
         "skip",
         help="give up on rows: keep them unpublished and release the subject they hold "
@@ -150,12 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="UUID",
         help="an unpublished row to give up on; repeatable",
     )
-    skip.add_argument(
-        "--execute",
-        action="store_true",
-        help="change the rows (without it, only show what would change)",
-    )
-    _add_options(skip, _options_for("skip"))
+    _add_row_change_options(skip, "skip")
     audit = commands.add_parser(
         "audit",
         help="check that the streams still hold every row marked published in a window; "
@@ -245,13 +245,13 @@ def _operator_command(args: argparse.Namespace, config: Config) -> int:
     conninfo = database.connection_string(config.database_url)
     try:
         if args.command == "status":
-            status = operator.read_status(conninfo, config)
-            rendered = operator.status_json(status) if args.json else None
-            sys.stdout.write(rendered or operator.render_status(status, config))
+            status = backlog.read_status(conninfo, config)
+            rendered = backlog.status_json(status) if args.json else None
+            sys.stdout.write(rendered or backlog.render_status(status, config))
             return 0
         if args.command == "skip":
-            outcome = operator.skip(conninfo, config, ids=args.id, execute=args.execute)
-            sys.stdout.write(operator.render_skip(outcome, args.id, execute=args.execute))
+            outcome = backlog.skip(conninfo, config, ids=args.id, execute=args.execute)
+            sys.stdout.write(backlog.render_skip(outcome, args.id, execute=args.execute))
             return 0
         if not (args.id or args.event_type or args.all_dead):
             print(
@@ -259,7 +259,7 @@ def _operator_command(args: argparse.Namespace, config: Config) -> int:
                 file=sys.stderr,
             )
             return 2
-        result = operator.requeue(
+        result = backlog.requeue(
             conninfo,
             config,
             ids=args.id,
@@ -297,24 +297,28 @@ def _audit(args: argparse.Namespace, config: Config) -> int:
     return 1 if report.missing else 0
 
 
+# The tools (relay_tools) are imported only by the commands that use them: they
+# start servers, and `outbox-relay run` has no use for them.
 def _bench(args: argparse.Namespace) -> int:
-    from relay.bench.command import main as bench_main  # noqa: PLC0415 - only bench needs it
+    from relay_tools.bench.command import main as bench_main  # noqa: PLC0415
+    from relay_tools.localservers import MissingServerBinary  # noqa: PLC0415
 
     setup_logging("warning", "text")
     try:
         return bench_main(args.database_url, args.nats_url, args.quick, args.json)
-    except localservers.MissingServerBinary as exc:
+    except MissingServerBinary as exc:
         print(f"outbox-relay bench: {exc}", file=sys.stderr)
         return 1
 
 
 def _demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from relay import demo  # noqa: PLC0415 - only the demo needs it
+    from relay_tools import demo  # noqa: PLC0415
+    from relay_tools.localservers import MissingServerBinary  # noqa: PLC0415
 
     setup_logging("warning", "text")
     try:
         return demo.main(environ, args.rate, args.seconds)
-    except localservers.MissingServerBinary as exc:
+    except MissingServerBinary as exc:
         print(f"outbox-relay demo: {exc}", file=sys.stderr)
         return 1
 

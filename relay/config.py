@@ -259,6 +259,11 @@ def show_duration(seconds: float) -> str:
     return f"{seconds * 1000:g}ms"
 
 
+def _duration(name: str, help_text: str) -> Option:
+    """An option that takes a positive duration (``500ms``, ``5s``, ``2m``)."""
+    return Option(name, parse_positive_duration, help_text, show_duration)
+
+
 RUN_OPTIONS: tuple[Option, ...] = (
     Option(
         "database_url",
@@ -301,34 +306,20 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "how batches go to JetStream: auto (the best each stream allows: batch, then "
         "atomic), batch, atomic, or message (one publish and ack per message)",
     ),
-    Option(
-        "poll_interval",
-        parse_positive_duration,
-        "fallback poll when no notification comes",
-        show_duration,
-    ),
-    Option(
+    _duration("poll_interval", "fallback poll when no notification comes"),
+    _duration(
         "publish_timeout",
-        parse_positive_duration,
         "longest a batch may wait for broker acks (bounds how long row locks are held)",
-        show_duration,
     ),
     Option(
         "max_attempts",
         _positive_int,
         "refusals of a row before it is dead (the broker's failures never count)",
     ),
-    Option(
-        "backoff_base",
-        parse_positive_duration,
-        "first retry delay; doubles per attempt",
-        show_duration,
-    ),
-    Option("backoff_max", parse_positive_duration, "longest retry delay", show_duration),
-    Option("retention", parse_positive_duration, "how long published rows are kept", show_duration),
-    Option(
-        "retention_interval", parse_positive_duration, "how often retention runs", show_duration
-    ),
+    _duration("backoff_base", "first retry delay; doubles per attempt"),
+    _duration("backoff_max", "longest retry delay"),
+    _duration("retention", "how long published rows are kept"),
+    _duration("retention_interval", "how often retention runs"),
     Option("retention_batch_size", _positive_int, "rows deleted per retention statement"),
     Option(
         "audit_interval",
@@ -343,18 +334,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
         "how far back an audit looks (0: the retention window)",
         lambda v: show_duration(v) if v else "0 (the retention window)",
     ),
-    Option(
-        "listen_keepalive",
-        parse_positive_duration,
-        "quiet time after which the LISTEN connection is probed",
-        show_duration,
-    ),
-    Option(
-        "gauge_interval",
-        parse_positive_duration,
-        "how often table-wide gauges are read",
-        show_duration,
-    ),
+    _duration("listen_keepalive", "quiet time after which the LISTEN connection is probed"),
+    _duration("gauge_interval", "how often table-wide gauges are read"),
     Option("metrics_host", str, "address the metrics and health server binds"),
     Option("metrics_port", _port, "port of /metrics, /healthz and /readyz (0 disables)"),
     Option("log_level", _choice("debug", "info", "warning", "error"), "log level"),

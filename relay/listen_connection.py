@@ -32,7 +32,7 @@ APPLICATION_NAME = "outbox-relay listen"
 
 # How long the sleep lock may wait for producers in flight. While this connection
 # waits for a lock it cannot hear notifications (they are delivered afterwards), so
-# the wait is short; a producer transaction open for longer makes the publisher
+# the wait is short; a producer transaction open for longer makes the scheduler
 # claim again and retry, rather than sleep.
 SLEEP_LOCK_TIMEOUT_MS = 10
 
@@ -64,7 +64,7 @@ async def _wait_for_notification(
 
     ``notified`` is called as soon as one comes, here on the asyncio side: the way
     back to trio (the return of this call) took 0.22 ms (median) at light load, and
-    the publisher need not wait for it. trio-asyncio runs asyncio callbacks inside
+    the scheduler need not wait for it. trio-asyncio runs asyncio callbacks inside
     a trio task, so a synchronous trio call such as setting an Event is allowed."""
     received = 0
     async for _ in conn.notifies(timeout=seconds, stop_after=1):

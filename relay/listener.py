@@ -1,5 +1,5 @@
 """The LISTEN task: a dedicated connection that turns notifications into wake-ups,
-and holds the sleep lock while the publisher sleeps.
+and holds the sleep lock while the scheduler sleeps.
 
 A notification is only a hint. What makes the relay correct is that it always
 re-reads the table: after every (re)connect it sweeps at once, because rows may
@@ -26,16 +26,17 @@ from typing import Protocol
 import trio
 
 from relay.backoff import ReconnectBackoff
-from relay.errors import RelayError
+from relay.errors import RelayError, first_line
 from relay.health import Health
 from relay.metrics import Metrics
+from relay.retry import retry
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
 
 class Sleep(enum.Enum):
-    """May the publisher sleep until it is notified?"""
+    """May the scheduler sleep until it is notified?"""
 
     SAFE = "safe"  # this relay holds the sleep lock: producers notify
     SAFE_OTHER = "safe-other"  # another relay holds it: producers notify
@@ -111,13 +112,13 @@ class Listener:
         self._metrics = metrics
         # When this task last ran a statement on its connection.
         self._spoke_at = 0.0
-        # The publisher's requests, carried out by this task on its connection.
+        # The scheduler's requests, carried out by this task on its connection.
         self._want_sleep = False
         self._holding = False
         self._answer: trio.MemorySendChannel[Sleep] | None = None
         self._poke = trio.Event()
 
-    # -- the publisher's side ---------------------------------------------------
+    # -- the scheduler's side ---------------------------------------------------
 
     async def prepare_sleep(self) -> Sleep:
         """Ask for the sleep lock; returns once this task has tried."""
@@ -132,7 +133,7 @@ class Listener:
         return Sleep.DEAF
 
     def wake_up(self) -> None:
-        """The publisher is awake: let the lock go, so producers stop notifying."""
+        """The scheduler is awake: let the lock go, so producers stop notifying."""
         self._want_sleep = False
         self._answer = None
         if self._holding:
@@ -142,14 +143,19 @@ class Listener:
 
     async def run(self) -> None:
         backoff = ReconnectBackoff(initial=0.1, cap=5.0)
-        while True:
-            try:
-                await self._listen_once(backoff)
-            except (RelayError, trio.TooSlowError) as exc:
-                reason = "connect timed out" if isinstance(exc, trio.TooSlowError) else str(exc)
-                log.warning("LISTEN connection lost: %s", reason.strip().splitlines()[0])
-            self._set_state(up=False)
-            await trio.sleep(backoff.next_delay())
+
+        def describe(exc: BaseException) -> str:
+            reason = "connect timed out" if isinstance(exc, trio.TooSlowError) else first_line(exc)
+            return f"LISTEN connection lost: {reason}"
+
+        while True:  # _listen_once returns only when the connection is lost
+            await retry(
+                lambda: self._listen_once(backoff),
+                failures=(RelayError, trio.TooSlowError),
+                backoff=backoff,
+                describe=describe,
+                on_failure=lambda _: self._set_state(up=False),
+            )
 
     async def _listen_once(self, backoff: ReconnectBackoff) -> None:
         with trio.fail_after(10):
@@ -174,7 +180,7 @@ class Listener:
                     continue
                 await self._wait(conn, quiet_until - trio.current_time())
         finally:
-            # Not listening from here on, before the close below awaits: a publisher
+            # Not listening from here on, before the close below awaits: the scheduler
             # asking to sleep meanwhile must hear DEAF at once, not wait for an answer.
             self._set_state(up=False)
             self._holding = False
@@ -185,7 +191,7 @@ class Listener:
         self._poke = trio.Event()
         if self._want_sleep and self._answer is not None:
             if self._holding:
-                # The publisher woke and asks to sleep again before this task got
+                # The scheduler woke and asks to sleep again before this task got
                 # round to letting the lock go. Held all along, it is as good as new
                 # (every producer since it was granted has notified).
                 answer = Sleep.SAFE
@@ -214,7 +220,7 @@ class Listener:
                 channel.send_nowait(answer)
 
     async def _wait(self, conn: ListenConnection, seconds: float) -> None:
-        """Up to ``seconds``, until a notification or a request from the publisher."""
+        """Up to ``seconds``, until a notification or a request from the scheduler."""
         try:
             async with trio.open_nursery() as nursery:
 

@@ -21,7 +21,7 @@ def broker_outage(results: Mapping[RowId, PublishResult]) -> bool:
     own, and the rest of the table goes on. So does a subject the relay's NATS user
     may not publish on: the server answered, and said so.
 
-    The publisher then stops claiming and probes, with a pause that grows, instead
+    The scheduler then stops claiming and probes, with a pause that grows, instead
     of marking every row of every batch."""
     sent_failures = 0
     for result in results.values():

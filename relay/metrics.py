@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import bisect
+import importlib.resources
 import math
+import tomllib
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,6 +24,19 @@ from relay import __version__
 
 # The *_created series double every counter's lines and no dashboard reads them.
 disable_created_metrics()  # type: ignore[no-untyped-call] # untyped upstream, takes no arguments
+
+
+def _build(spec: Mapping[str, Any], registry: CollectorRegistry) -> Any:
+    """One metric of relay/metrics.toml, registered."""
+    name, help_text, labels = spec["name"], spec["help"], spec.get("labels", [])
+    kind = spec["kind"]
+    if kind == "batch_histogram":
+        return BatchHistogram(name, help_text, LATENCY_BUCKETS, registry)
+    if kind == "histogram":
+        return Histogram(name, help_text, buckets=BATCH_BUCKETS, registry=registry)
+    collector = {"counter": Counter, "gauge": Gauge, "info": Info}[kind]
+    return collector(name, help_text, labels, registry=registry)
+
 
 # Buckets that resolve single milliseconds near the bottom and minutes at the top.
 LATENCY_BUCKETS = (
@@ -104,7 +120,49 @@ class BoundedLabel:
         return self.OVERFLOW
 
 
+def metric_table() -> dict[str, dict[str, Any]]:
+    """relay/metrics.toml: each metric's attribute, kind, name, help, labels and the
+    README's words for it."""
+    text = (importlib.resources.files("relay") / "metrics.toml").read_text(encoding="utf-8")
+    return tomllib.loads(text)
+
+
 class Metrics:
+    """Every metric of one relay, declared in relay/metrics.toml and reached as
+    attributes of the names there."""
+
+    published: Counter
+    duplicates: Counter
+    publish_failures: Counter
+    dead_marked: Counter
+    broker_outage_batches: Counter
+    held: Counter
+    unpublished: Gauge
+    oldest_age: Gauge
+    dead_rows: Gauge
+    held_subjects: Gauge
+    skipped_rows: Gauge
+    subjects_without_stream: Gauge
+    publish_latency: BatchHistogram
+    batch_size: Histogram
+    wakeups: Counter
+    sleeps: Counter
+    retention_deleted: Counter
+    database_errors: Counter
+    publish_mode: Gauge
+    batch_publishes: Counter
+    short_duplicate_windows: Gauge
+    audit_missing: Gauge
+    audit_checked: Gauge
+    audit_expired: Gauge
+    audit_last_success: Gauge
+    audit_failures: Counter
+    listen_connected: Gauge
+    nats_connected: Gauge
+    up: Gauge
+    ready: Gauge
+    build: Info
+
     def set_publish_modes(self, modes: Mapping[str, str]) -> None:
         """Export each stream's publish mode, dropping streams that are gone."""
         self.publish_mode.clear()
@@ -114,152 +172,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.event_type = BoundedLabel()
-        r = self.registry
-        self.published = Counter(
-            "outbox_relay_published",
-            "Rows published and acknowledged by JetStream",
-            ["event_type"],
-            registry=r,
-        )
-        self.duplicates = Counter(
-            "outbox_relay_duplicate_acks",
-            "Acks with duplicate=true: the stream already had the message",
-            registry=r,
-        )
-        self.publish_failures = Counter(
-            "outbox_relay_publish_failures",
-            "Failed publishes, by reason",
-            ["event_type", "reason"],
-            registry=r,
-        )
-        self.dead_marked = Counter(
-            "outbox_relay_dead_marked",
-            "Rows this relay moved to the attempt cap",
-            ["event_type", "reason"],
-            registry=r,
-        )
-        self.broker_outage_batches = Counter(
-            "outbox_relay_broker_outage_batches",
-            "Batches the broker acknowledged none of; their rows were left as they were",
-            registry=r,
-        )
-        self.held = Counter(
-            "outbox_relay_held_rows",
-            "Claimed rows left for later because an earlier row of their subject was not "
-            "yet published",
-            registry=r,
-        )
-        self.unpublished = Gauge(
-            "outbox_relay_unpublished_rows", "Rows not yet published (table-wide)", registry=r
-        )
-        self.oldest_age = Gauge(
-            "outbox_relay_oldest_unpublished_age_seconds",
-            "Age of the oldest unpublished row that is not dead (table-wide)",
-            registry=r,
-        )
-        self.dead_rows = Gauge(
-            "outbox_relay_dead_rows",
-            "Dead rows: unpublished, given up on by the relay, each holding back the later rows "
-            "of its subject (table-wide)",
-            registry=r,
-        )
-        self.held_subjects = Gauge(
-            "outbox_relay_held_subjects",
-            "Subjects whose later rows wait behind a dead row (table-wide)",
-            registry=r,
-        )
-        self.skipped_rows = Gauge(
-            "outbox_relay_skipped_rows",
-            "Rows an operator gave up on with `outbox-relay skip`: kept, unpublished (table-wide)",
-            registry=r,
-        )
-        self.subjects_without_stream = Gauge(
-            "outbox_relay_subjects_without_stream",
-            "Event types (NATS subjects) this relay met that no stream captures; their rows wait",
-            registry=r,
-        )
-        self.publish_latency = BatchHistogram(
-            "outbox_relay_publish_latency_seconds",
-            "From the row's created_at to the broker's ack",
-            LATENCY_BUCKETS,
-            r,
-        )
-        self.batch_size = Histogram(
-            "outbox_relay_batch_size", "Rows claimed per pass", buckets=BATCH_BUCKETS, registry=r
-        )
-        self.wakeups = Counter(
-            "outbox_relay_wakeups",
-            "Claim passes started, by what woke the relay",
-            ["reason"],
-            registry=r,
-        )
-        self.sleeps = Counter(
-            "outbox_relay_sleeps",
-            "Times the publisher drained the table and slept until woken",
-            registry=r,
-        )
-        self.retention_deleted = Counter(
-            "outbox_relay_retention_deleted", "Spent rows deleted by retention", registry=r
-        )
-        self.database_errors = Counter(
-            "outbox_relay_database_errors",
-            "Database operations that failed, by task",
-            ["task"],
-            registry=r,
-        )
-        self.publish_mode = Gauge(
-            "outbox_relay_publish_mode",
-            "1 for the mode the relay publishes into each stream with (batch, atomic, "
-            "message; --publish-mode and what the stream allows decide)",
-            ["stream", "mode"],
-            registry=r,
-        )
-        self.batch_publishes = Counter(
-            "outbox_relay_batch_publishes",
-            "Batch publishes (--publish-mode), by outcome: stored (every message), stopped "
-            "(at a message the stream refused), unanswered (a timeout, the broker's "
-            "failure), turned_down (as a batch: a duplicate in an atomic batch, batching "
-            "disabled; the messages then went one by one)",
-            ["mode", "outcome"],
-            registry=r,
-        )
-        self.short_duplicate_windows = Gauge(
-            "outbox_relay_streams_short_duplicate_window",
-            "Streams whose duplicate window is shorter than --backoff-max + --publish-timeout "
-            "(read when the relay first connects to NATS)",
-            registry=r,
-        )
-        self.audit_missing = Gauge(
-            "outbox_relay_audit_missing_rows",
-            "Rows marked published whose message their stream no longer holds, at the last "
-            "audit (--audit-interval)",
-            registry=r,
-        )
-        self.audit_checked = Gauge(
-            "outbox_relay_audit_checked_rows", "Rows the last audit compared", registry=r
-        )
-        self.audit_expired = Gauge(
-            "outbox_relay_audit_expired_rows",
-            "Rows whose message the last audit found removed by its stream's limits",
-            registry=r,
-        )
-        self.audit_last_success = Gauge(
-            "outbox_relay_audit_last_success_timestamp_seconds",
-            "When the last audit finished (unix time)",
-            registry=r,
-        )
-        self.audit_failures = Counter(
-            "outbox_relay_audit_failures", "Audits that could not finish", registry=r
-        )
-        self.listen_connected = Gauge(
-            "outbox_relay_listen_connected", "1 while the LISTEN connection is up", registry=r
-        )
-        self.nats_connected = Gauge(
-            "outbox_relay_nats_connected", "1 while connected to NATS", registry=r
-        )
-        self.up = Gauge("outbox_relay_up", "1 while the relay runs", registry=r)
-        self.ready = Gauge("outbox_relay_ready", "1 while /readyz answers 200", registry=r)
-        self.build = Info("outbox_relay_build", "Build information", registry=r)
+        for attribute, spec in metric_table().items():
+            setattr(self, attribute, _build(spec, self.registry))
         self.build.info({"version": __version__})
         for reason in ("notify", "poll", "reconnect"):
             self.wakeups.labels(reason=reason)

@@ -24,7 +24,7 @@ async def run_retention(config: Config, database: Database, metrics: Metrics) ->
                 metrics.retention_deleted.inc(count)
                 if count < config.retention_batch_size:
                     break
-                # Let the publisher have the database between batches.
+                # Let the scheduler have the database between batches.
                 await trio.sleep(0.01)
         except RelayError as exc:
             metrics.database_errors.labels(task="retention").inc()

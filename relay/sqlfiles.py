@@ -18,7 +18,9 @@ from psycopg import sql
 
 from relay.config import Config
 
-_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_BLOCK = re.compile(r"^-- (name|fragment): (\w+)\s*$", re.MULTILINE)
+# A fragment used in a query: {fragment(alias)}, the fragment's {row} being alias.
+_FRAGMENT_USE = re.compile(r"\{(\w+)\((\w+)\)\}")
 
 
 def _sql_root() -> Traversable:
@@ -37,20 +39,30 @@ def read_sql(*parts: str) -> str:
     return node.read_text(encoding="utf-8")
 
 
-def parse_named_blocks(text: str) -> dict[str, str]:
-    """``-- name: x`` starts block ``x``; it runs to the next name or the end."""
-    blocks: dict[str, str] = {}
-    matches = list(_NAME.finditer(text))
+def parse_blocks(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``-- name: x`` starts query ``x`` and ``-- fragment: x`` a piece of SQL that
+    queries use as ``{x(alias)}``; each runs to the next block or the end."""
+    named: dict[str, str] = {}
+    fragments: dict[str, str] = {}
+    matches = list(_BLOCK.finditer(text))
     for match, following in zip(matches, [*matches[1:], None], strict=True):
         end = following.start() if following else len(text)
-        body = text[match.end() : end].strip()
-        blocks[match.group(1)] = body.rstrip(";")
-    return blocks
+        body = text[match.end() : end].strip().rstrip(";")
+        (named if match.group(1) == "name" else fragments)[match.group(2)] = body
+    return named, fragments
+
+
+def parse_named_blocks(text: str) -> dict[str, str]:
+    return parse_blocks(text)[0]
 
 
 @functools.cache
+def _queries_and_fragments() -> tuple[dict[str, str], dict[str, str]]:
+    return parse_blocks(read_sql("queries.sql"))
+
+
 def queries() -> dict[str, str]:
-    return parse_named_blocks(read_sql("queries.sql"))
+    return _queries_and_fragments()[0]
 
 
 def install_files() -> list[str]:
@@ -197,8 +209,16 @@ def uninstall_script(names: Names) -> sql.Composed:
 
 def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
     """Query ``name``; ``slots`` fill its ``{slot}`` parameters other than the
-    identifiers (only the claim has any: see :data:`CLAIM_PARAMETERS`)."""
-    return names.compose(queries()[name], **slots)
+    identifiers (only the claim has any: see :data:`CLAIM_PARAMETERS`), and each
+    ``{fragment(alias)}`` is that fragment, about the table's row ``alias``."""
+    queries_, fragments = _queries_and_fragments()
+    template = queries_[name]
+    for use in {m.group(0)[1:-1]: m for m in _FRAGMENT_USE.finditer(template)}.values():
+        fragment, alias = use.groups()
+        slots[use.group(0)[1:-1]] = names.compose(
+            fragments[fragment], row=sql.Identifier(alias), **slots
+        )
+    return names.compose(template, **slots)
 
 
 # The claim's parameters are slots in sql/queries.sql, not %(name)s: as they are,

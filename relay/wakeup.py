@@ -1,4 +1,4 @@
-"""A coalescing wake-up: many signals while the publisher is busy become one pass."""
+"""A coalescing wake-up: many signals while the scheduler is busy become one pass."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import trio
 
 class Wakeup:
     """``set(reason)`` never blocks; ``wait()`` returns the reasons collected since the
-    last wait. A notification is only a hint that rows may be there: the publisher
+    last wait. A notification is only a hint that rows may be there: the scheduler
     re-reads the table, so folding several hints into one pass loses nothing."""
 
     def __init__(self) -> None:

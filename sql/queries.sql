@@ -4,50 +4,52 @@
 -- {max_attempts}: bound parameters when it runs as it is, $1 and $2 when the relay
 -- prepares it (relay/database.py says why).
 
+-- fragment: claimable
+-- A row the claim may take ({row} is its alias): unpublished and not dead, under
+-- the attempt cap, not waiting out a retry, and with no earlier row of its subject
+-- waiting or dead (a dead row waits until 'infinity'). The first line is the claim
+-- index's predicate in its own words, so the planner walks that index and not the
+-- contract's one on created_at alone. The probe has no "published_at is null":
+-- marking a row published clears relay_retry_at, and so do requeue and skip.
+-- Fence: "offset 0" keeps the probe a per-row lookup in the waiting index; as a
+-- join, on statistics from before a burst, it rescanned the backlog for each row.
+coalesce({row}.published_at, {row}.relay_dead_at) is null
+and {row}.attempts < {max_attempts}
+and ({row}.relay_retry_at is null or {row}.relay_retry_at <= now())
+and not exists (
+      select 1
+        from {table} b
+       where b.subject = {row}.subject
+         and b.relay_retry_at > now()
+         and (b.created_at, b.relay_seq) < ({row}.created_at, {row}.relay_seq)
+      offset 0)
+
 -- name: claim
--- Claim the next batch in order: (created_at, relay_seq), the claim index's order,
--- so each walk reads at most two batches' worth and stops, however many rows share
--- a created_at and however many dead rows there are (they are not in that index).
--- The claim index's predicate is "coalesce(published_at, relay_dead_at) is null",
--- and the scans say it in those words: the planner then cannot walk the contract's
--- index (on created_at alone, with dead rows in it) instead, which fresh
--- statistics of one big transaction or of many dead rows made it do.
+-- The next batch, in (created_at, relay_seq) order, the claim index's:
+--   horizon  the 2 x batch_size-th claimable row: how far this claim looks;
+--   claimed  up to batch_size claimable rows up to the horizon, locked
+--            FOR UPDATE SKIP LOCKED (rows another relay holds are skipped);
+--   ahead    the blockers: unpublished live rows of the claimed subjects, not in
+--            the batch and before its last row (another relay holds them, or they
+--            committed after a concurrent claim's snapshot). A claimed row behind
+--            the earliest blocker of its subject waits; the relay picks that one
+--            (a DISTINCT ON here would need a sort).
+-- One result: the claimed rows (blocker = false), then the blockers.
 --
--- Rows another relay holds are skipped, not waited on. A row waiting out its
--- backoff is not claimed, and neither is any later row of its subject (per-subject
--- order); a dead row holds its subject the same way, for good (its relay_retry_at
--- is 'infinity'), until `requeue` or `skip` lets it go.
---
--- Timestamps leave the database as text and numbers the relay can always read:
--- ``time`` as the envelope's RFC 3339 text (null when RFC 3339 cannot express it:
--- infinite, or outside years 1-9999), ``created_at`` as epoch seconds (float8 keeps
--- microsecond order for any date near now, and turns +-infinity into +-inf). A
--- datetime column would fail the whole claim on a row Python's datetime cannot hold.
---
--- The same statement also returns the unpublished live rows of the batch's
--- subjects that are not in the batch but not later than it (blocker = true):
--- another relay holds them, or they committed after this statement's snapshot was
--- taken by a concurrent claim. Claimed rows behind the earliest of their subject
--- must wait (the relay picks that one: a DISTINCT ON here would need a sort). A
--- plain read sees rows other relays have locked without waiting for them.
+-- Each walk reads at most two batches' worth and stops, however many rows share a
+-- created_at and however many dead rows there are (they are not in the index).
+-- Timestamps leave as text and numbers Python can always read: ``time`` as the
+-- envelope's RFC 3339 text (null where RFC 3339 cannot express it: infinite, or
+-- outside years 1-9999), ``created_at`` as epoch seconds (float8 keeps microsecond
+-- order near now, and turns +-infinity into +-inf).
+-- Fences: each CTE is "materialized" so it runs once, not inlined into its users.
 with horizon as materialized (
-  -- How far the claim looks: the 2 x batch_size-th claimable row, counting the rows
-  -- other relays hold (a plain read does not skip them). Beside other relays, a claim
+  -- Counting the rows other relays hold (a plain read does not skip them): a claim
   -- that walked on past their batches would take rows of the subjects they hold,
-  -- only to let them go again (held behind the gate), and several relays drained a
-  -- backlog slower than one (README, Performance).
+  -- only to let them go again behind the gate (docs/performance.md).
   select h.created_at, h.relay_seq
     from {table} h
-   where coalesce(h.published_at, h.relay_dead_at) is null
-     and h.attempts < {max_attempts}
-     and (h.relay_retry_at is null or h.relay_retry_at <= now())
-     and not exists (
-           select 1
-             from {table} b
-            where b.subject = h.subject
-              and b.relay_retry_at > now()
-              and (b.created_at, b.relay_seq) < (h.created_at, h.relay_seq)
-           offset 0)
+   where {claimable(h)}
    order by h.created_at, h.relay_seq
    offset 2 * {batch_size} - 1
    limit 1
@@ -59,26 +61,13 @@ claimed as materialized (
          end as time,
          o.data::text as data, o.created_at, o.relay_seq, o.attempts
     from {table} o
-   where coalesce(o.published_at, o.relay_dead_at) is null
+   where {claimable(o)}
      -- The horizon as two parameters: an index condition that ends the walk there.
+     -- The filter is the horizon's again: this scan locks the rows, and only its
+     -- conditions are checked again on a row another relay changed meanwhile.
      and (o.created_at, o.relay_seq)
          <= (coalesce((select created_at from horizon), 'infinity'),
              coalesce((select relay_seq from horizon), 9223372036854775807))
-     -- The horizon's filter again, and it must stay the same: a row is locked by
-     -- this scan, and only this scan's conditions are checked again on a row that
-     -- changed (another relay published it) while the statement ran.
-     and o.attempts < {max_attempts}
-     and (o.relay_retry_at is null or o.relay_retry_at <= now())
-     and not exists (
-           -- No "published_at is null" here: see the waiting index in install/002.
-           -- A row in backoff or dead is unpublished (marking a row published
-           -- clears relay_retry_at, and so do requeue and skip).
-           select 1
-             from {table} b
-            where b.subject = o.subject
-              and b.relay_retry_at > now()
-              and (b.created_at, b.relay_seq) < (o.created_at, o.relay_seq)
-           offset 0)
    order by o.created_at, o.relay_seq
    limit {batch_size}
      for update of o skip locked
@@ -88,10 +77,10 @@ last as materialized (
 ),
 -- The unpublished live rows before the batch's last row, in two walks of the claim
 -- index, each bounded by parameters: rows of an earlier created_at, then rows of
--- the last created_at before the last row. One walk with a row comparison
+-- the last created_at before the last row. Fence: one walk with the row comparison
 -- "(created_at, relay_seq) < last" was planned as "created_at <= last", reading
--- every row that shares the batch's last created_at: the rest of one big
--- transaction, a million rows.
+-- every row that shares the batch's last created_at (the rest of one big
+-- transaction).
 ahead as (
   select e.id, e.subject, e.created_at, e.relay_seq
     from {table} e
@@ -115,11 +104,9 @@ select true, a.id::text, null, null, a.subject, null, null,
        extract(epoch from a.created_at)::float8,
        coalesce(a.relay_seq, 9223372036854775807), null
   from ahead a
- -- "is true" keeps this a hashed subplan, as "not in" below is: a bare "in" is
- -- turned into a semi join, and on statistics from before a burst the planner
- -- expects a handful of claimed rows and loops over all of them for every row
- -- here. With another batch's rows locked (another replica's, or this relay's
- -- previous batch) that was 250,000 comparisons and 60 ms a claim, measured here.
+ -- Fence: "is true" keeps this a hashed subplan, as "not in" below is; a bare "in"
+ -- becomes a semi join that, on statistics from before a burst, loops over every
+ -- claimed row for every row here (docs/performance.md).
  where (a.subject in (select subject from claimed)) is true
    and a.id not in (select id from claimed);
 

@@ -17,27 +17,21 @@
 -- install on an installed table takes no lock on it: "alter table ... add column
 -- if not exists" takes an ACCESS EXCLUSIVE lock even when the column is there.
 do $$
+declare
+  missing text[];
 begin
-  if not exists (select 1 from pg_attribute
-                  where attrelid = {table_name}::regclass and attname = 'relay_retry_at'
-                    and not attisdropped) then
-    alter table {table} add column relay_retry_at timestamptz null;
-  end if;
-  if not exists (select 1 from pg_attribute
-                  where attrelid = {table_name}::regclass and attname = 'relay_last_error'
-                    and not attisdropped) then
-    alter table {table} add column relay_last_error text null;
-  end if;
-  if not exists (select 1 from pg_attribute
-                  where attrelid = {table_name}::regclass and attname = 'relay_dead_at'
-                    and not attisdropped) then
-    alter table {table} add column relay_dead_at timestamptz null;
-  end if;
-  if not exists (select 1 from pg_attribute
-                  where attrelid = {table_name}::regclass and attname = 'relay_skipped_at'
-                    and not attisdropped) then
-    alter table {table} add column relay_skipped_at timestamptz null;
-  end if;
+  foreach missing slice 1 in array array[
+      ['relay_retry_at', 'timestamptz'], ['relay_last_error', 'text'],
+      ['relay_dead_at', 'timestamptz'], ['relay_skipped_at', 'timestamptz'],
+      ['relay_seq', 'bigint']]
+  loop
+    if not exists (select 1 from pg_attribute
+                    where attrelid = {table_name}::regclass and attname = missing[1]
+                      and not attisdropped) then
+      execute format('alter table %s add column %I %s null', {table_name}::regclass,
+                     missing[1], missing[2]);
+    end if;
+  end loop;
 
   -- relay_seq: insertion order. Every row of one transaction shares created_at
   -- (now() is the transaction's start), so created_at alone cannot order them; the
@@ -48,11 +42,6 @@ begin
   -- once here, in the (created_at, id) order earlier relays published them in.
   if to_regclass({seq_name}) is null then
     create sequence {seq} as bigint;
-  end if;
-  if not exists (select 1 from pg_attribute
-                  where attrelid = {table_name}::regclass and attname = 'relay_seq'
-                    and not attisdropped) then
-    alter table {table} add column relay_seq bigint null;
   end if;
   if not exists (select 1 from pg_attrdef d
                    join pg_attribute a on a.attrelid = d.adrelid and a.attnum = d.adnum

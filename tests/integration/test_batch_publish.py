@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from nats.js.api import StreamConfig
 
-from relay.localservers import throwaway_nats
+from relay_tools.localservers import throwaway_nats
 from tests.support import database
 from tests.support.database import Event
 from tests.support.relayproc import wait_until

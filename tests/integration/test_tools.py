@@ -13,7 +13,7 @@ import uuid
 import psycopg
 import pytest
 
-from relay import demo
+from relay_tools import demo
 from tests.support import database
 from tests.support.database import Event
 from tests.support.servers import SHARED_NATS_URL

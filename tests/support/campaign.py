@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from relay import operator
+from relay import backlog
 from relay.config import Config
 from tests.support.checker import Committed, RowState, Stored, Verdict, check
 from tests.support.relayproc import wait_until
@@ -134,7 +134,7 @@ class Campaign:
             ids = [uuid.UUID(row_id) for (row_id,) in rows if row_id in self.poison]
         if not ids:
             return 0
-        return operator.skip(self.db_url, Config(), ids=ids, execute=True).skipped
+        return backlog.skip(self.db_url, Config(), ids=ids, execute=True).skipped
 
     def record(self, event: Committed) -> None:
         """An event a test committed itself, beside the producers."""

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import nats
 
-from relay.localservers import ThrowawayNats, free_port
+from relay_tools.localservers import ThrowawayNats, free_port
 from tests.support.relayproc import wait_until
 from tests.support.stream import TestStream, run_js
 

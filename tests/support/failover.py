@@ -9,7 +9,7 @@ import subprocess
 import psycopg
 from psycopg import sql
 
-from relay.localservers import ThrowawayPostgres, _as_postgres_user, postgres_binary
+from relay_tools.localservers import ThrowawayPostgres, _as_postgres_user, postgres_binary
 from tests.support.relayproc import wait_until
 
 

@@ -1,5 +1,5 @@
 """Servers for the tests: the machine's shared Postgres and NATS, and throwaway
-instances on free loopback ports (relay.localservers) for the tests that kill or
+instances on free loopback ports (relay_tools.localservers) for the tests that kill or
 restart them. The shared servers are never stopped or reconfigured; each test
 gets its own database and its own stream there."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from relay.localservers import (
+from relay_tools.localservers import (
     ThrowawayNats,
     ThrowawayPostgres,
     free_port,

@@ -31,7 +31,7 @@ from relay.ordering import (
     unsettled_subjects,
 )
 from relay.publishable import rejection, size_problem, subject_problem
-from relay.publisher import linger_for, sleep_retry_pause
+from relay.scheduler import linger_for, sleep_retry_pause
 
 T0 = 1_767_225_600.0  # created_at, epoch seconds: 2026-01-01T00:00:00Z
 NOW = T0 + 600.0  # when the marks are decided

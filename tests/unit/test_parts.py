@@ -15,7 +15,7 @@ from relay.config import Config
 from relay.health import Health
 from relay.httpserver import HttpServer, parse_request_line
 from relay.logs import JsonFormatter, TextFormatter
-from relay.metrics import LATENCY_BUCKETS, BatchHistogram, BoundedLabel
+from relay.metrics import LATENCY_BUCKETS, BatchHistogram, BoundedLabel, Metrics, metric_table
 from relay.sqlfiles import (
     Names,
     claim_execution,
@@ -223,3 +223,14 @@ def test_nats_secrets_are_never_shown(capsys):
     urls = next(o for o in RUN_OPTIONS if o.name == "nats_url")
     assert urls.show(("nats://u:pw@a:4222", "tls://b:4222")) == "nats://u:***@a:4222,tls://b:4222"
     assert urls.show(("nats://s3cret-token@a:4222",)) == "nats://***@a:4222"  # a token
+
+
+def test_every_metric_declared_is_a_typed_attribute_and_exported():
+    table = metric_table()
+    assert set(table) == set(Metrics.__annotations__)
+    metrics = Metrics()
+    exported = {m.name for m in metrics.registry.collect()}
+    assert {spec["name"] for spec in table.values()} <= exported
+    for spec in table.values():
+        assert spec["help"]
+        assert spec["readme"]

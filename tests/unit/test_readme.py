@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from relay.docs import options_table
+from relay.docs import metrics_table, options_table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -16,6 +16,13 @@ def test_readme_configuration_table_matches_the_code():
     begin, end = "<!-- options:begin -->\n", "\n<!-- options:end -->"
     table = text[text.index(begin) + len(begin) : text.index(end)]
     assert table == options_table(), "regenerate with: python -m relay.docs"
+
+
+def test_readme_metrics_table_matches_the_code():
+    text = README.read_text()
+    begin, end = "<!-- metrics:begin -->\n", "\n<!-- metrics:end -->"
+    table = text[text.index(begin) + len(begin) : text.index(end)]
+    assert table == metrics_table(), "regenerate with: python -m relay.docs"
 
 
 def test_ci_runs_the_readme_test_command(tmp_path):

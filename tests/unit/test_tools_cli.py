@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from relay import cli, localservers
-from relay.localservers import MissingServerBinary, postgres_binary
+from relay import cli
+from relay_tools import localservers
+from relay_tools.localservers import MissingServerBinary, postgres_binary
 
 
 def test_missing_postgres_binaries_say_what_to_install(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-"""The publisher loop's states (drain, linger, sleep, busy, deaf, broker down, database
-down) and its lanes: the real Publisher, fakes of the batch, the sleep lock and the
+"""The scheduler loop's states (drain, linger, sleep, busy, deaf, broker down, database
+down) and its lanes: the real Scheduler, fakes of the batch, the sleep lock and the
 broker link, and trio's virtual clock."""
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from relay.listener import Sleep
 from relay.marks import Marks
 from relay.metrics import Metrics
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
-from relay.publisher import (
+from relay.scheduler import (
     BATCHES_IN_FLIGHT,
     LINGER_MAX,
     SLEEP_RETRY_MAX,
-    Publisher,
+    Scheduler,
     sleep_retry_pause,
 )
 from relay.wakeup import Wakeup
@@ -106,7 +106,7 @@ class World:
         self.health = Health(listening=True, broker=True)  # their tasks are not here
         self.metrics = Metrics(CollectorRegistry())
         self.stopping = trio.Event()
-        self.publisher = Publisher(
+        self.scheduler = Scheduler(
             config=Config(batch_size=BATCH_SIZE),
             run_batch=self.table.run_batch,
             broker=self.broker,
@@ -120,7 +120,7 @@ class World:
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
 
     async def asleep(self) -> None:
-        """Until the publisher sleeps (counted), and the virtual clock has moved on."""
+        """Until the scheduler sleeps (counted), and the virtual clock has moved on."""
         sleeps = self.metric("outbox_relay_sleeps_total")
         with trio.fail_after(60):
             while self.metric("outbox_relay_sleeps_total") == sleeps:  # noqa: ASYNC110
@@ -131,7 +131,7 @@ def run(test: Callable[[World], Awaitable[None]]) -> None:
     async def main() -> None:
         world = World()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(world.publisher.run, world.stopping)
+            nursery.start_soon(world.scheduler.run, world.stopping)
             await test(world)
             world.stopping.set()
             world.wakeup.set("stop")
@@ -342,7 +342,7 @@ def test_stop_interrupts_a_sleep():
     async def main() -> None:
         world = World()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(world.publisher.run, world.stopping)
+            nursery.start_soon(world.scheduler.run, world.stopping)
             await world.asleep()
             stopped_at = trio.current_time()
             world.stopping.set()

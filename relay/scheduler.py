@@ -1,4 +1,4 @@
-"""The publisher loop: run batches while there is work, then sleep until woken.
+"""The scheduler loop: run batches while there is work, then sleep until woken.
 
 What one batch does (claim, publish in order, mark, commit) is :mod:`relay.batch`;
 this module decides when batches run, rides out outages, and keeps the sleep
@@ -25,6 +25,7 @@ from relay.health import Health
 from relay.listener import Sleep
 from relay.metrics import Metrics
 from relay.model import Acked, Failed, FailureReason, PublishResult
+from relay.retry import retry
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ DATABASE_BUDGET = 15.0
 
 # After a drain that found rows, wait a little for more before claiming again (or
 # going to sleep): in proportion to how many rows came, up to a cap. A lone row
-# (light load) costs a fraction of a millisecond and the publisher soon sleeps, so
-# the next row wakes it by notification. Under heavy load the publisher polls at
+# (light load) costs a fraction of a millisecond and the scheduler soon sleeps, so
+# the next row wakes it by notification. Under heavy load the scheduler polls at
 # the capped pace instead, in batches large enough to be cheap, and never takes the
 # sleep lock, so producers never notify.
 LINGER_PER_ROW = 0.0002
@@ -49,7 +50,7 @@ def linger_for(claimed: int) -> float:
     return min(LINGER_MAX, claimed * LINGER_PER_ROW)
 
 
-# How soon to claim again when producers were mid-transaction as the publisher
+# How soon to claim again when producers were mid-transaction as the scheduler
 # tried to sleep (they may have skipped their notify): at once, then after a pause
 # that doubles up to this while a long transaction keeps the sleep lock from us.
 SLEEP_RETRY_MAX = 0.02
@@ -114,6 +115,10 @@ class StreamlessSubjects:
         self._set_gauge(len(self._subjects))
 
 
+class _PassesOver(Exception):
+    """The relay is stopping, or NATS is gone: no more passes for now."""
+
+
 @dataclass(frozen=True)
 class PassResult:
     claimed: int
@@ -143,7 +148,7 @@ class BrokerLink(Protocol):
     def connected(self) -> bool: ...
 
 
-class Publisher:
+class Scheduler:
     """Decides when batches run. ``run_batch`` runs one batch (claim, publish, mark,
     commit: :class:`relay.batch.Batch`, behind the asyncio door) and may be called
     again before the previous call returns, up to BATCHES_IN_FLIGHT at once."""
@@ -174,7 +179,7 @@ class Publisher:
         """Drain, then sleep until woken, until ``stopping`` is set. A stop request
         interrupts a sleep, never a batch in flight.
 
-        Before it sleeps the publisher takes the sleep lock, which waits out every
+        Before it sleeps the scheduler takes the sleep lock, which waits out every
         producer that skipped its notify, and claims once more: anything committed
         before the lock is found now, anything after it notifies."""
         busy_streak = 0
@@ -266,29 +271,40 @@ class Publisher:
         claimed = 0
         backoff = ReconnectBackoff(initial=0.2, cap=10.0)
         broker_backoff = ReconnectBackoff(initial=0.2, cap=10.0)
-        while not stopping.is_set():
+
+        async def bounded_pass() -> PassResult:
             self.heartbeat = trio.current_time()
-            if not self._broker.connected:
+            if stopping.is_set() or not self._broker.connected:
                 # Nothing to publish to: leave the rows alone rather than burn their
                 # attempts. The reconnect callback wakes the loop again.
-                return claimed
-            failure: RelayError | None = None
+                raise _PassesOver
             try:
                 with trio.fail_after(self._config.publish_timeout + DATABASE_BUDGET):
-                    result = await self.run_pass()
+                    return await self.run_pass()
             except trio.TooSlowError:
-                failure = DatabaseUnavailable("a batch took too long: database unresponsive")
-            except RelayError as exc:
-                failure = exc
-            if failure is not None:
-                self._metrics.database_errors.labels(task="publisher").inc()
-                if isinstance(failure, DatabaseUnavailable):
-                    self._health.database = False
-                delay = backoff.next_delay()
-                log.warning("batch failed, retrying in %.1fs: %s", delay, failure)
-                with trio.move_on_after(delay):
-                    await stopping.wait()
-                continue
+                raise DatabaseUnavailable("a batch took too long: database unresponsive") from None
+
+        def pass_failed(failure: BaseException) -> None:
+            self._metrics.database_errors.labels(task="publisher").inc()
+            if isinstance(failure, DatabaseUnavailable):
+                self._health.database = False
+
+        async def pause(delay: float) -> None:
+            with trio.move_on_after(delay):
+                await stopping.wait()
+
+        while True:
+            try:
+                result = await retry(
+                    bounded_pass,
+                    failures=(RelayError,),
+                    backoff=backoff,
+                    describe=lambda exc: f"batch failed: {exc}",
+                    on_failure=pass_failed,
+                    pause=pause,
+                )
+            except _PassesOver:
+                return claimed
             self._health.database = True
             backoff.reset()
             claimed += result.claimed
@@ -306,8 +322,7 @@ class Publisher:
                     result.broker_problem,
                     delay,
                 )
-                with trio.move_on_after(delay):
-                    await stopping.wait()
+                await pause(delay)
                 continue
             if result.acked or not result.claimed:
                 # An ack; or nothing left to publish (another replica drained what this
@@ -319,11 +334,9 @@ class Publisher:
                 more_work()
                 continue
             if result.held and not result.settled:
-                with trio.move_on_after(CONTENTION_PAUSE):
-                    await stopping.wait()
+                await pause(CONTENTION_PAUSE)
                 continue
             return claimed
-        return claimed
 
     async def run_pass(self) -> PassResult:
         """One batch, in one crossing into asyncio (see :mod:`relay.batch`)."""

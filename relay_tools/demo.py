@@ -41,8 +41,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from relay.config import Config, redact_url
 from relay.database import connection_string, install
-from relay.localservers import throwaway_nats, throwaway_postgres
 from relay.sqlfiles import Names
+from relay_tools.localservers import throwaway_nats, throwaway_postgres
 
 SCHEMA = """
 create table if not exists demo_orders (

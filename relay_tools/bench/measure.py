@@ -14,8 +14,10 @@ from pathlib import Path
 import nats
 import psycopg
 
-from relay.bench.baseline import plain_poller
-from relay.bench.harness import (
+from relay.config import Config
+from relay.sqlfiles import Names, query
+from relay_tools.bench.baseline import plain_poller
+from relay_tools.bench.harness import (
     Consumer,
     RelayProcess,
     Target,
@@ -23,9 +25,7 @@ from relay.bench.harness import (
     produce_at_rate,
     wait_until_ready,
 )
-from relay.config import Config
-from relay.localservers import postgres_binary
-from relay.sqlfiles import Names, query
+from relay_tools.localservers import postgres_binary
 
 
 async def wake_floor(target: Target, samples: int, *, with_row: bool = False) -> list[float]:

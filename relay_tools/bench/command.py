@@ -12,10 +12,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relay.bench import measure
-from relay.bench.harness import RelayProcess, Target, dumps, wait_until_ready
-from relay.bench.stats import Figure, percentile
-from relay.localservers import throwaway_nats, throwaway_postgres
+from relay_tools.bench import measure
+from relay_tools.bench.harness import RelayProcess, Target, dumps, wait_until_ready
+from relay_tools.bench.stats import Figure, percentile
+from relay_tools.localservers import throwaway_nats, throwaway_postgres
 
 
 @dataclass(frozen=True)

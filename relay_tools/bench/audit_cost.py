@@ -3,7 +3,7 @@
 user runs it, timed, with its peak memory; then again after 100 messages were
 deleted from the stream (it must find exactly those).
 
-    python -m relay.bench.audit_cost --rows 1000000
+    python -m relay_tools.bench.audit_cost --rows 1000000
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 
 import nats
 
-from relay.bench.harness import RelayProcess, Target
-from relay.localservers import ThrowawayNats, ThrowawayPostgres
+from relay_tools.bench.harness import RelayProcess, Target
+from relay_tools.localservers import ThrowawayNats, ThrowawayPostgres
 
 LOST = 100
 
