@@ -6,12 +6,10 @@ itself is a single call through :func:`relay.aio.call`. It awaits only the async
 halves of the two doors (:class:`relay.database.Transaction`,
 :meth:`relay.broker.Broker.publish_wave`) and calls only pure decisions.
 
-Why one crossing and not one per statement: a crossing between trio and asyncio
-that waits on I/O costs about 200 us of wall time here (a ``select 1`` took 460 us
-with a crossing per query and 258 us with one crossing for all of them; plain
-asyncio 238 us). A batch used to cross five times or more: getting the connection,
-the claim, each wave, the marks, giving the connection back. At light load that
-was most of the time from a commit to the broker.
+Why one crossing and not one per statement: each crossing between trio and asyncio
+that waits on I/O costs wall time, and at light load a batch that crossed per
+statement spent most of the time from a commit to the broker crossing
+(docs/performance.md, *One crossing per batch*).
 
 This is also where the table and the broker could disagree, so the crash windows
 are marked where they are.

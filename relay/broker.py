@@ -161,11 +161,11 @@ def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind
 def send_queued(nc: Client) -> None:
     """Hand the messages nats-py has queued to the socket now, in this task.
 
-    nats-py queues every PUB and leaves the write to its flusher task. Under
-    trio-asyncio that task's turn came 0.21 ms (median) after a wave was queued, at
-    light load a tenth of the time from a commit to the broker. This does what the
-    flusher would, short of waiting for the socket to drain (nats-py keeps its queue
-    under max_pending_size by flushing through the flusher, which does wait); the
+    nats-py queues every PUB and leaves the write to its flusher task, whose turn
+    under trio-asyncio comes a good part of a light-load commit-to-broker time later
+    (docs/performance.md). This does what the flusher would, short of waiting for
+    the socket to drain (nats-py keeps its queue under max_pending_size by flushing
+    through the flusher, which does wait); the
     flusher then finds nothing to write. It reads nats-py's private attributes: if a
     release renames them, nothing is written here and the flusher writes as before
     (a test checks they are still there).

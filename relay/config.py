@@ -303,8 +303,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option(
         "publish_mode",
         _choice(*PUBLISH_MODE_CHOICES),
-        "how batches go to JetStream: auto (the best each stream allows: batch, then "
-        "atomic), batch, atomic, or message (one publish and ack per message)",
+        "how batches go to JetStream: auto (fast batches where the stream allows them, "
+        "else per message), batch, atomic, or message (one publish and ack per message)",
     ),
     _duration("poll_interval", "fallback poll when no notification comes"),
     _duration(

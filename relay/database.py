@@ -62,16 +62,14 @@ _CONNECTION_DEFAULTS = {
 # soon runs on one generic plan, made without its parameters in hand and kept until
 # the table is next analyzed: for the marks, made while the table was small (a new
 # or truncated table), that plan is a sequential scan, and stays one as a backlog
-# piles up (80 ms to mark 100 rows of 2,300 during a benchmark here). Planned each
-# time, a mark looks its rows up by primary key.
+# piles up (docs/performance.md). Planned each time, a mark looks its rows up by
+# primary key.
 POOLED_CONNECTION: dict[str, Any] = {"autocommit": True, "prepare_threshold": None}
 
-# The claim, prepared once on each pooled connection. A batch sends "begin; execute"
-# as one simple-protocol message. A driver-side transaction would cost a round trip
-# for its BEGIN before the claim could be sent: a claim of one row took 0.68 ms that
-# way and 0.47 ms this way here, 0.98 and 0.67 ms on a machine idle since the
-# previous row (most claims at light load). It stays prepared, as psycopg's own
-# preparation had it: planning it took 0.4 ms.
+# The claim, prepared once on each pooled connection (planning it costs about as
+# much as running it). A batch sends "begin; execute" as one simple-protocol
+# message: a driver-side transaction would cost a round trip for its BEGIN before
+# the claim could be sent, a third of a light-load claim (docs/performance.md).
 CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim")
 
 # How long giving a connection back may take (its rollback) before the connection
@@ -280,13 +278,12 @@ class Database:
             # The claim must walk the unpublished index in order and stop at the batch
             # size. On stale statistics (a backlog that arrived before autovacuum's
             # analyze: a new table, a burst after a truncate) the planner believes the
-            # backlog is tiny and picks a bitmap scan that sorts all of it: 210 ms per
-            # claim instead of 3 ms on a 50,000-row backlog, measured here. No relay
-            # query wants a bitmap scan.
+            # backlog is tiny and picks a bitmap scan that sorts all of it
+            # (docs/performance.md). No relay query wants a bitmap scan.
             "enable_bitmapscan": "off",
             # A mark lost in a Postgres crash only republishes its rows, with the
             # same Nats-Msg-Id (at-least-once, deduped): not worth a WAL flush wait
-            # per batch (8% of the drain rate here). Producers' commits are theirs.
+            # per batch. Producers' commits are theirs.
             "synchronous_commit": "off",
         }
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None

@@ -63,9 +63,10 @@ async def _wait_for_notification(
     """asyncio side: up to ``seconds`` for the first notification; how many came.
 
     ``notified`` is called as soon as one comes, here on the asyncio side: the way
-    back to trio (the return of this call) took 0.22 ms (median) at light load, and
-    the scheduler need not wait for it. trio-asyncio runs asyncio callbacks inside
-    a trio task, so a synchronous trio call such as setting an Event is allowed."""
+    back to trio (the return of this call) is slow enough to show in the light-load
+    latency (docs/performance.md), and the scheduler need not wait for it.
+    trio-asyncio runs asyncio callbacks inside a trio task, so a synchronous trio
+    call such as setting an Event is allowed."""
     received = 0
     async for _ in conn.notifies(timeout=seconds, stop_after=1):
         notified()

@@ -69,8 +69,8 @@ class BatchHistogram(Collector):
     """A histogram fed a batch of values at a time.
 
     prometheus_client's ``Histogram.observe`` takes two locks and walks the buckets
-    in Python for every value: 3.6 us a row here, about 6% of the relay's CPU while
-    it drains. This one bins a batch with ``bisect`` and is read by the registry like
+    in Python for every value, a visible share of the relay's CPU while it drains
+    (docs/performance.md). This one bins a batch with ``bisect`` and is read by the registry like
     any histogram. The relay feeds and scrapes it from one thread."""
 
     def __init__(

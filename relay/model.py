@@ -21,7 +21,7 @@ class OutboxRow(NamedTuple):
     ``seq`` the row's ``relay_seq`` (its place among the inserts).
 
     A named tuple, not a frozen dataclass: one is built per claimed row, and a
-    frozen dataclass costs three times as much to build (4.7 vs 1.5 us here)."""
+    frozen dataclass costs three times as much to build."""
 
     id: RowId
     event_type: str

@@ -73,8 +73,8 @@ CONTENTION_PAUSE = 0.05
 # most of its time waiting: for its claim, for the broker's acks, for its marks and
 # commit. A second batch, claimed as soon as the first one's claim is in, fills those
 # waits; its rows of a subject the first batch also holds go out after the first
-# batch's acks (relay.batch). Draining 100,000 rows here: 14.4k-15.8k rows/s with one
-# batch at a time, 17.0k-18.4k with two (three runs each).
+# batch's acks (relay.batch). Two drain faster than one; three gained nothing
+# (docs/performance.md).
 BATCHES_IN_FLIGHT = 2
 
 

@@ -9,6 +9,11 @@ JetStream batch publish (ADR-50) instead of a publish and an ack per message:
 - ``atomic``: atomic batch publishing (stream ``allow_atomic``, server 2.12.1+ for
   ``Nats-Msg-Id``). All or nothing; one duplicate rejects the whole batch.
 - ``message``: one publish and one ack per message, pipelined across subjects.
+
+``auto`` takes ``batch`` where it can and ``message`` elsewhere. Atomic batches
+drained no faster than per-message publishing (the server stages each batch before
+it commits it; docs/performance.md) and the relay needs no atomicity across rows,
+so they are used only when asked for.
 """
 
 from __future__ import annotations
@@ -78,9 +83,10 @@ def supported_modes(version: tuple[int, int, int]) -> frozenset[PublishMode]:
 def choose_mode(
     stream: StreamModes | None, version: tuple[int, int, int], wanted: str = AUTO
 ) -> PublishMode:
-    """How to publish into ``stream``: the best mode the stream allows and the server
-    supports, or the one the operator asked for (``--publish-mode``) where it is
-    available; per message everywhere else, and for a subject no stream captures."""
+    """How to publish into ``stream``: fast batches where the stream allows them and
+    the server supports them, or the mode the operator asked for (``--publish-mode``)
+    where it is available; per message everywhere else, and for a subject no stream
+    captures."""
     if stream is None or wanted == PublishMode.MESSAGE:
         return PublishMode.MESSAGE
     supported = supported_modes(version)
@@ -88,8 +94,8 @@ def choose_mode(
         PublishMode.BATCH: stream.allow_batched and PublishMode.BATCH in supported,
         PublishMode.ATOMIC: stream.allow_atomic and PublishMode.ATOMIC in supported,
     }
-    order = (PublishMode.BATCH, PublishMode.ATOMIC) if wanted == AUTO else (PublishMode(wanted),)
-    return next((mode for mode in order if allowed.get(mode)), PublishMode.MESSAGE)
+    preferred = PublishMode.BATCH if wanted == AUTO else PublishMode(wanted)
+    return preferred if allowed.get(preferred) else PublishMode.MESSAGE
 
 
 def describe_modes(modes: Mapping[str, PublishMode]) -> str:
