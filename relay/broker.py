@@ -165,10 +165,10 @@ def send_queued(nc: Client) -> None:
     under trio-asyncio comes a good part of a light-load commit-to-broker time later
     (docs/performance.md). This does what the flusher would, short of waiting for
     the socket to drain (nats-py keeps its queue under max_pending_size by flushing
-    through the flusher, which does wait); the
-    flusher then finds nothing to write. It reads nats-py's private attributes: if a
-    release renames them, nothing is written here and the flusher writes as before
-    (a test checks they are still there).
+    through the flusher, which does wait); the flusher then finds nothing to write.
+    It reads nats-py's private attributes: if a release renames them, nothing is
+    written here and the flusher writes as before (a test checks they are still
+    there).
     """
     pending = getattr(nc, "_pending", None)
     transport = getattr(nc, "_transport", None)
