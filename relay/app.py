@@ -138,6 +138,7 @@ class Relay:
             backoff=ReconnectBackoff(initial=0.2, cap=10.0),
         )
         await self._check_duplicate_windows()
+        await self.broker.read_publish_modes()
 
     async def _check_duplicate_windows(self) -> None:
         """Warn about streams that forget a message id before a retried row comes back:

@@ -518,6 +518,14 @@ class Broker:
         """Read the streams' modes again before the next batch (one turned a batch down)."""
         self._streams_due = 0.0
 
+    async def read_publish_modes(self) -> None:
+        """Read the streams' publish modes now (at connect, so the log says them at
+        start); a failure is logged at debug level and the first batch reads again."""
+        await aio.call(self._read_stream_modes_now)
+
+    async def _read_stream_modes_now(self) -> None:
+        await self._read_stream_modes(asyncio.get_running_loop())
+
     async def _read_stream_modes(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             configs = await asyncio.wait_for(self._stream_configs(), STREAM_MODES_READ_TIMEOUT)

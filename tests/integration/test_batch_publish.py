@@ -156,6 +156,10 @@ def test_the_deploy_stream_takes_fast_batches(db_url, start_relay, nats215):
 
     run_js(nats215.url, add)
     relay = start_relay(nats_url=nats215.url, **FAST)
+    # Said at start, before any row: the operator sees the mode the relay will use.
+    wait_until(
+        lambda: f"{config['name']}: batch" in relay.logs(), 10, message="the mode logged at start"
+    )
     database.insert(
         db_url, [Event(f"{prefix}.invoice.paid", f"i{n % 5}", {"n": n}) for n in range(50)]
     )
