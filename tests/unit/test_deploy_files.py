@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import yaml
@@ -131,3 +132,18 @@ def test_stream_duplicate_window_covers_the_relay_retries():
     # duplicate=true ack instead of a second copy in the stream.
     assert window >= backoff_max + publish_timeout
     assert Config().backoff_max <= window
+
+
+def test_dockerfile_copies_every_directory_the_wheel_is_built_from():
+    # pip builds the wheel inside the image: a package directory pyproject.toml
+    # lists but the Dockerfile does not copy fails the build.
+    setuptools = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setuptools["package-dir"]
+    directories = {
+        mapped.get(package, package.replace(".", "/")).split("/")[0]
+        for package in setuptools["packages"]
+    }
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert directories == {"relay", "relay_tools", "sql"}
+    for directory in directories:
+        assert f"COPY {directory} ./{directory}" in text, directory
