@@ -495,7 +495,7 @@ def test_marks_are_planned_each_time_and_the_claim_is_prepared(db_url):
     prepared = asyncio.run(batches(8))
     [(name, statement)] = prepared  # the marks ran 8 times each, and were never prepared
     assert name == "outbox_relay_claim"
-    assert "-- Claim the next batch" in statement, statement
+    assert "-- The next batch" in statement, statement
     with psycopg.connect(db_url) as conn:
         unpublished = conn.execute(
             "select count(*) from outbox_events where published_at is null"

@@ -25,6 +25,8 @@ FIGURES = {
     "wake_floor", "wake_row_floor", "publish_floor", "claim_mark_rate", "publish_rate",
     "relay_latency_100_p50", "relay_latency_100_p99", "relay_latency_100_max",
     "relay_latency_1000_p50", "relay_latency_1000_p99", "relay_latency_1000_max",
+    "drain_mode_message_rate", "drain_mode_batch_rate", "drain_mode_atomic_rate",
+    "cpu_mode_message", "cpu_mode_batch", "cpu_mode_atomic", "relay_latency_batch_1000_p99",
     "drain_rate", "drain_bulk_rate", "drain_dead_ahead_rate", "drain_replicas_rate",
     "drain_bulk_ratio", "drain_dead_ahead_ratio", "drain_replicas_ratio",
     "drain_memory", "drain_million_rate", "commits_contract_table", "commits_relay_indexes",
@@ -53,7 +55,7 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
     for figure in document["figures"].values():
         assert figure["min"] <= figure["median"] <= figure["max"]
         assert figure["median"] > 0, figure
-    assert len(document["targets"]) == 11
+    assert len(document["targets"]) == 13
     assert "targets:" in result.stdout
     assert "done in" in result.stderr  # the progress line finished
 

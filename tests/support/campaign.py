@@ -105,9 +105,18 @@ class Campaign:
         """The operator adds the late event type to the stream's subjects, as one does
         who deployed a new event type before extending the stream."""
         if not self.late_captured:
-            self.stream.update(
-                self.stream.name, subjects=[f"{self.stream.prefix}.>", f"{self.late_event_type}"]
-            )
+
+            def update() -> bool:
+                try:
+                    self.stream.update(
+                        self.stream.name,
+                        subjects=[f"{self.stream.prefix}.>", f"{self.late_event_type}"],
+                    )
+                except Exception:  # noqa: BLE001 - a cluster back from an outage may not answer yet
+                    return False
+                return True
+
+            wait_until(update, timeout=60, message="the stream extended to the late subject")
             self.late_captured = True
 
     def _operate(self) -> None:
