@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,6 +45,28 @@ def run_js(url: str, action: Any, **options: Any) -> Any:
     """``action(js)`` on a connection to ``url``; ``options`` are nats-py's connect
     options (TLS, credentials)."""
     return asyncio.run(_with_js(url, action, options))
+
+
+# What a cluster answers while it elects leaders after an outage: a read asked again
+# gets its answer once it has them.
+CLUSTER_SETTLING = (
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.NoRespondersError,
+    TimeoutError,
+)
+
+
+def read_js(url: str, action: Any, settle_timeout: float = 60.0, **options: Any) -> Any:
+    """``run_js`` for a read (``action`` stores and deletes nothing), asked again while the
+    server answers as a settling cluster does, for at most ``settle_timeout`` s."""
+    deadline = time.monotonic() + settle_timeout
+    while True:
+        try:
+            return run_js(url, action, **options)
+        except CLUSTER_SETTLING:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 class TestStream:
@@ -118,7 +141,7 @@ class TestStream:
             await sub.unsubscribe()
             return out
 
-        return run_js(self.url, action, **self.connect)
+        return read_js(self.url, action, **self.connect)
 
     def read(self, name: str | None = None) -> list[StoredMessage]:
         """Every message in the stream, in stream order."""
@@ -141,7 +164,7 @@ class TestStream:
                 seq += 1
             return out
 
-        return run_js(self.url, action, **self.connect)
+        return read_js(self.url, action, **self.connect)
 
 
 DISCARD_NEW = DiscardPolicy.NEW
