@@ -540,6 +540,7 @@ class Broker:
                 subjects=tuple(c.subjects or ()),
                 allow_batched=bool(getattr(c, "allow_batched", False)),
                 allow_atomic=bool(getattr(c, "allow_atomic", False)),
+                replicas=c.num_replicas or 1,
             )
             for c in configs
         ]
@@ -554,6 +555,15 @@ class Broker:
                 ", ".join(f"{name}: {mode}" for name, mode in sorted(modes.items()))
                 or "no streams",
             )
+            for stream in self._streams:
+                if stream.allow_batched and not stream.fast_batches_safe:
+                    log.info(
+                        "stream %s allows fast batches but has %d replicas: its rows go "
+                        "%s (a replicated stream can ack a fast batch it has not stored)",
+                        stream.name,
+                        stream.replicas,
+                        modes[stream.name],
+                    )
             if self._on_modes_change is not None:
                 self._on_modes_change(modes)
 

@@ -10,7 +10,11 @@ JetStream batch publish (ADR-50) instead of a publish and an ack per message:
   ``Nats-Msg-Id``). All or nothing; one duplicate rejects the whole batch.
 - ``message``: one publish and one ack per message, pipelined across subjects.
 
-``auto`` takes ``batch`` where it can and ``message`` elsewhere. Atomic batches
+``auto`` takes ``batch`` where it can and ``message`` elsewhere. No mode takes fast
+batches into a replicated stream: there nats-server 2.15.1 counts a message whose
+earlier publish is still being proposed (not yet stored, and lost if its leader
+goes) as a skipped duplicate and acks the batch, where a single publish gets error
+10158 and is tried again (README, *Publish modes*). Atomic batches
 drained no faster than per-message publishing (the server stages each batch before
 it commits it; docs/performance.md) and the relay needs no atomicity across rows,
 so they are used only when asked for.
@@ -52,6 +56,13 @@ class StreamModes:
     subjects: tuple[str, ...]
     allow_batched: bool = False
     allow_atomic: bool = False
+    replicas: int = 1
+
+    @property
+    def fast_batches_safe(self) -> bool:
+        """Whether a fast batch's acks can be trusted: only a stream without a
+        replica group (see the module's docstring)."""
+        return self.replicas <= 1
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -83,15 +94,17 @@ def supported_modes(version: tuple[int, int, int]) -> frozenset[PublishMode]:
 def choose_mode(
     stream: StreamModes | None, version: tuple[int, int, int], wanted: str = AUTO
 ) -> PublishMode:
-    """How to publish into ``stream``: fast batches where the stream allows them and
-    the server supports them, or the mode the operator asked for (``--publish-mode``)
-    where it is available; per message everywhere else, and for a subject no stream
-    captures."""
+    """How to publish into ``stream``: fast batches where the stream allows them, the
+    server supports them and the stream has one replica, or the mode the operator
+    asked for (``--publish-mode``) where it is available; per message everywhere
+    else, and for a subject no stream captures."""
     if stream is None or wanted == PublishMode.MESSAGE:
         return PublishMode.MESSAGE
     supported = supported_modes(version)
     allowed = {
-        PublishMode.BATCH: stream.allow_batched and PublishMode.BATCH in supported,
+        PublishMode.BATCH: (
+            stream.allow_batched and PublishMode.BATCH in supported and stream.fast_batches_safe
+        ),
         PublishMode.ATOMIC: stream.allow_atomic and PublishMode.ATOMIC in supported,
     }
     preferred = PublishMode.BATCH if wanted == AUTO else PublishMode(wanted)

@@ -2,10 +2,20 @@
 campaign of producers: the stream's leader killed and its node restarted with its
 storage, a leader stepdown, and the quorum lost for longer than the attempt cap
 would last were the failures counted. The checker finds nothing lost, nothing dead,
-no order inversion."""
+no order inversion.
+
+A replicated stream can acknowledge a fast batch it has not stored (the last test
+shows it): the relay publishes into one per message even when the stream allows
+fast batches and the relay is told to use them."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import uuid
+
+import nats
 import pytest
 
 from tests.integration.test_faults import (
@@ -87,10 +97,90 @@ def test_leader_lost_stepped_down_and_quorum_lost_kill_and_reorder_nothing(
                 cluster.start(node)
             wait_until(lambda: published() > before, timeout=120, message="publishing again")
             step()
-            assert_batches_stored(relays, mode)
+            if mode == "batch":
+                assert_no_fast_batch(relays, stream.name)
+            else:
+                assert_batches_stored(relays, mode)
             verdict = finish(
                 campaign, *relays, title="jetstream cluster campaign", drain_timeout=180
             )
             assert verdict.dead == []
         finally:
             campaign.close()
+
+
+def assert_no_fast_batch(relays: list, stream: str) -> None:
+    """The relays published into the replicated stream per message, and said why."""
+    for relay in relays:
+        assert relay.metric("outbox_relay_publish_mode", stream=stream, mode="message") == 1
+        sent = [
+            value
+            for key, value in relay.metrics().items()
+            if key.startswith("outbox_relay_batch_publishes_total{") and 'mode="batch"' in key
+        ]
+        assert sum(sent) == 0, f"fast batches sent into a replicated stream: {sent}"
+        assert f"stream {stream} allows fast batches but has 3 replicas" in relay.logs()
+
+
+def test_a_replicated_stream_acks_a_fast_batch_it_has_not_stored():
+    """Why the relay sends no fast batch into a replicated stream (nats-server 2.15.1):
+    a leader that has lost its quorum proposes a batch it cannot commit; the same
+    messages sent again in a new fast batch find their ids "in process", are
+    skipped as duplicates, and the batch is acknowledged in full. The leader then
+    goes, and the new one never had them. (A single publish of such a message gets
+    error 10158 instead, and is tried again.) Should this test fail on a newer
+    server, the rule in relay/streams.py can gain a version bound."""
+    with throwaway_cluster() as cluster:
+        stream = cluster.r3_stream(allow_batched=True)
+        leader = cluster.wait_for_leader(stream.name)
+        followers = [node for node in cluster.nodes if node is not leader]
+        for node in followers:
+            node.kill()
+        ids = [f"m{uuid.uuid4().hex[:8]}-{seq}" for seq in range(1, 11)]
+        first, second = asyncio.run(two_fast_batches(leader.url, stream.subject("x"), ids))
+        assert not [reply for reply in first if b'"count"' in reply], first
+        final = json.loads(second[-1])
+        assert final["count"] == len(ids), second  # "stored", says the leader
+        leader.kill()  # the only node that holds the proposals
+        cluster.start(followers[0])
+        cluster.start(followers[1])
+        cluster.wait_for_leader(stream.name)
+        cluster.start(leader)
+        cluster.wait_for_leader(stream.name)
+        assert [m.msg_id for m in stream.read_all()] == []
+
+
+async def two_fast_batches(url: str, subject: str, ids: list[str]) -> list[list[bytes]]:
+    """The replies to a fast batch of ``ids`` and to the same batch sent again."""
+    nc = await nats.connect(url, connect_timeout=5, allow_reconnect=False)
+    try:
+        return [await fast_batch(nc, subject, ids) for _ in range(2)]
+    finally:
+        await nc.close()
+
+
+async def fast_batch(nc: nats.NATS, subject: str, ids: list[str]) -> list[bytes]:
+    """A ``gap: fail`` fast batch (ADR-50 reply subjects); its replies, once the
+    final PubAck has come or two seconds have passed."""
+    prefix, batch, replies = nc.new_inbox() + ".", uuid.uuid4().hex, []
+    answered, done = asyncio.Event(), asyncio.Event()
+
+    async def on_reply(msg) -> None:
+        replies.append(msg.data)
+        answered.set()
+        if b'"count"' in msg.data or b'"error"' in msg.data:
+            done.set()
+
+    sub = await nc.subscribe(prefix + ">", cb=on_reply)
+    for seq, msg_id in enumerate(ids, 1):
+        op = 0 if seq == 1 else 2 if seq == len(ids) else 1
+        reply = f"{prefix}{batch}.500.fail.{seq}.{op}.$FI"
+        await nc.publish(subject, b"{}", reply=reply, headers={"Nats-Msg-Id": msg_id})
+        if seq == 1:  # the first message alone, as the relay sends it: its reply opens the batch
+            await nc.flush()
+            await asyncio.wait_for(answered.wait(), 5)
+    await nc.flush()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(done.wait(), 2)
+    await sub.unsubscribe()
+    return replies

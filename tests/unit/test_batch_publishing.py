@@ -103,6 +103,7 @@ def test_the_stream_that_captures_a_subject():
 
 NEW, ATOMIC_ONLY, OLD = (2, 15, 1), (2, 12, 1), (2, 9, 10)
 BOTH = StreamModes("S", ("s.>",), allow_batched=True, allow_atomic=True)
+REPLICATED = StreamModes("S", ("s.>",), allow_batched=True, allow_atomic=True, replicas=3)
 
 
 @pytest.mark.parametrize(
@@ -121,6 +122,11 @@ BOTH = StreamModes("S", ("s.>",), allow_batched=True, allow_atomic=True)
         # Forcing a mode the stream does not allow falls back to per message.
         (StreamModes("S", ("s.>",), allow_atomic=True), NEW, "batch", PublishMode.MESSAGE),
         (None, NEW, "auto", PublishMode.MESSAGE),
+        # A replicated stream can ack a fast batch it has not stored: never fast batches
+        # there, even when asked for; atomic ones are answered honestly.
+        (REPLICATED, NEW, "auto", PublishMode.MESSAGE),
+        (REPLICATED, NEW, "batch", PublishMode.MESSAGE),
+        (REPLICATED, NEW, "atomic", PublishMode.ATOMIC),
     ],
 )
 def test_the_mode_a_stream_gets(stream, version, wanted, mode):
