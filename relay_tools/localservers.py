@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -28,11 +29,41 @@ class MissingServerBinary(RelayError):
     """A server binary this needs is not installed; the message says what to install."""
 
 
+# Ports this process has handed out: never handed out twice, even once closed.
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> range:
+    try:
+        low, high = (int(part) for part in path.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A loopback port nothing listens on, for a server to bind soon. Below the
+    kernel's range for the source ports of outgoing connections: a port from that
+    range can be taken by any connect() before the server binds it (a cluster
+    node's route port was, in CI)."""
+    ephemeral = _ephemeral_range()
+    candidates = range(10_000, ephemeral.start) if ephemeral.start > 11_000 else range(0)
+    for _ in range(200 if candidates else 0):
+        port = random.choice(candidates)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    with socket.socket() as sock:  # no room below the range: let the kernel pick
+        sock.bind(("127.0.0.1", 0))
+        chosen: int = sock.getsockname()[1]
+    _handed_out.add(chosen)
+    return chosen
 
 
 def wait_for_port(

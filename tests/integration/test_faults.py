@@ -75,7 +75,15 @@ def finish(
             f"its log ends:\n{relay.logs()[-4000:]}"
         )
         wait_until(relay.ready, timeout=60, message="every relay ready again")
-    campaign.drain(MAX_ATTEMPTS, timeout=drain_timeout)
+    try:
+        campaign.drain(MAX_ATTEMPTS, timeout=drain_timeout)
+    except AssertionError as exc:
+        tails = "".join(
+            f"\nrelay {n} (pid {relay.process.pid}), its log ends:\n{relay.logs()[-3000:]}"
+            for n, relay in enumerate(relays)
+            if relay.process is not None
+        )
+        raise AssertionError(f"{exc}{tails}") from None
     verdict = campaign.verdict(MAX_ATTEMPTS)
     print(f"\n{title}: {verdict.summary()}")
     assert verdict.ok, verdict.summary() + "\n" + verdict.details()

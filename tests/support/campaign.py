@@ -282,6 +282,29 @@ class Campaign:
             f"{len(heads)} subjects hold live rows:\n"
             + "\n".join(lines)
             + (errors if self.operator_errors else "")
+            + "\n"
+            + self.open_transactions()
+        )
+
+    def open_transactions(self) -> str:
+        """The sessions in a transaction now, oldest first: a batch's transaction that
+        outlived its relay holds its rows locked, and every claim skips them."""
+        with psycopg.connect(self.db_url, autocommit=True) as conn:
+            sessions = conn.execute(
+                "select pid, application_name, state, wait_event_type, wait_event, "
+                "round(extract(epoch from now() - xact_start)::numeric, 1), "
+                "client_port, left(query, 100) from pg_stat_activity "
+                "where xact_start is not null and pid <> pg_backend_pid() "
+                "order by xact_start"
+            ).fetchall()
+        return "sessions in a transaction: " + (
+            "none"
+            if not sessions
+            else "".join(
+                f"\n  pid {pid} {app!r} {state} waiting on {wtype}/{wevent}, "
+                f"in a transaction for {age} s, client port {port}: {q!r}"
+                for pid, app, state, wtype, wevent, age, port, q in sessions
+            )
         )
 
     def verdict(self, max_attempts: int) -> Verdict:

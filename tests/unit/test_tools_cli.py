@@ -26,3 +26,18 @@ def test_tools_report_a_missing_binary_in_one_line(capsys, monkeypatch, command)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert "install the Postgres server binaries" in err[0]
+
+
+def test_free_ports_are_below_the_source_port_range_and_never_repeat():
+    ephemeral = localservers._ephemeral_range()
+    ports = [localservers.free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    if ephemeral.start > 11_000:
+        assert all(port < ephemeral.start for port in ports), ports
+
+
+def test_free_port_reads_the_kernels_source_port_range(tmp_path):
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("40000\t50000\n")
+    assert localservers._ephemeral_range(setting) == range(40000, 50001)
+    assert localservers._ephemeral_range(tmp_path / "absent") == range(32768, 61000)
