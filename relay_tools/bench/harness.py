@@ -312,6 +312,20 @@ class RelayProcess:
         raise RuntimeError("no VmHWM in /proc status")
 
 
+def busy_seconds(proc_stat: str, ticks_per_second: int) -> float:
+    """CPU seconds every core together has spent busy, from /proc/stat's first line:
+    every state but idle and iowait (guest time is already counted in user)."""
+    ticks = [int(value) for value in proc_stat.split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / ticks_per_second
+
+
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine has used so far: the relay, Postgres, NATS, the
+    kernel's network and disk work, and this benchmark."""
+    return busy_seconds(Path("/proc/stat").read_text(), os.sysconf("SC_CLK_TCK"))
+
+
 async def wait_until_ready(target: Target) -> None:
     """Until a relay publishes a probe event (it is connected and listening)."""
     consumer = Consumer(target.nats_url, f"{target.prefix}.>")

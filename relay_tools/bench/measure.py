@@ -22,6 +22,7 @@ from relay_tools.bench.harness import (
     RelayProcess,
     Target,
     listening,
+    machine_busy_seconds,
     produce_at_rate,
     wait_until_ready,
 )
@@ -187,17 +188,30 @@ async def drain_memory(target: Target, rows: int) -> tuple[float, float]:
         return publishing.peak_rss_mb(), rate
 
 
-async def drain_in_mode(target: Target, rows: int, mode: str) -> tuple[float, float]:
-    """Rows/s to publish a backlog of ``rows`` (a transaction each) with
-    ``--publish-mode mode``, and the relay's CPU microseconds per row meanwhile."""
+@dataclass(frozen=True)
+class ModeDrain:
+    """A drain with one --publish-mode: its rate, and CPU microseconds per row of
+    the relay alone and of the whole machine (every process on every core)."""
+
+    rate: float
+    relay_us_per_row: float
+    machine_us_per_row: float
+
+
+async def drain_in_mode(target: Target, rows: int, mode: str) -> ModeDrain:
+    """A backlog of ``rows`` (a transaction each) published with ``--publish-mode mode``."""
     async with _publisher(target, False, publish_mode=mode) as publishing:
         await target.fill(rows)
-        cpu = publishing.cpu_seconds()
+        relay_cpu, machine_cpu = publishing.cpu_seconds(), machine_busy_seconds()
         started = time.perf_counter()
         await target.execute("select pg_notify('outbox_events', '')")
         await target.wait_until_drained(0.05)
         elapsed = time.perf_counter() - started
-        return rows / elapsed, (publishing.cpu_seconds() - cpu) / rows * 1e6
+        return ModeDrain(
+            rate=rows / elapsed,
+            relay_us_per_row=(publishing.cpu_seconds() - relay_cpu) / rows * 1e6,
+            machine_us_per_row=(machine_busy_seconds() - machine_cpu) / rows * 1e6,
+        )
 
 
 def _publisher(target: Target, plain: bool, replicas: int = 1, **settings: str) -> _Publishing:

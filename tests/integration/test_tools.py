@@ -27,6 +27,8 @@ FIGURES = {
     "relay_latency_1000_p50", "relay_latency_1000_p99", "relay_latency_1000_max",
     "drain_mode_message_rate", "drain_mode_batch_rate", "drain_mode_atomic_rate",
     "cpu_mode_message", "cpu_mode_batch", "cpu_mode_atomic", "relay_latency_batch_1000_p99",
+    "machine_cpu_mode_message", "machine_cpu_mode_batch", "machine_cpu_mode_atomic",
+    "ceiling_mode_batch",
     "drain_rate", "drain_bulk_rate", "drain_dead_ahead_rate", "drain_replicas_rate",
     "drain_bulk_ratio", "drain_dead_ahead_ratio", "drain_replicas_ratio",
     "drain_memory", "drain_million_rate", "commits_contract_table", "commits_relay_indexes",
@@ -57,6 +59,7 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
         assert figure["median"] > 0, figure
     assert len(document["targets"]) == 13
     assert "targets:" in result.stdout
+    assert "of that ceiling" in result.stdout
     assert "done in" in result.stderr  # the progress line finished
 
 

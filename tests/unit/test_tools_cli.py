@@ -6,6 +6,7 @@ import pytest
 
 from relay import cli
 from relay_tools import localservers
+from relay_tools.bench import command, harness
 from relay_tools.localservers import MissingServerBinary, postgres_binary
 
 
@@ -41,3 +42,20 @@ def test_free_port_reads_the_kernels_source_port_range(tmp_path):
     setting.write_text("40000\t50000\n")
     assert localservers._ephemeral_range(setting) == range(40000, 50001)
     assert localservers._ephemeral_range(tmp_path / "absent") == range(32768, 61000)
+
+
+def test_machine_busy_time_counts_every_state_but_idle_and_iowait():
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat = "cpu  1000 20 300 5000 400 5 75 0 60 0\ncpu0 500 10 150 2500 200 2 37 0 30 0\n"
+    assert harness.busy_seconds(stat, 100) == (1000 + 20 + 300 + 5 + 75) / 100
+
+
+def test_the_bench_says_how_far_the_fast_batch_target_is_from_the_ceiling():
+    report = command.Report()
+    report.add("publish_rate", "floor", "msgs/s", [30_000.0])
+    report.add("drain_mode_batch_rate", "drain", "rows/s", [30_000.0])
+    report.add("ceiling_mode_batch", "ceiling", "rows/s", [40_000.0])
+    drained, target = command.context(report)
+    assert "at 0.75 of their ceiling" in drained
+    assert "40,000 rows/s" in drained
+    assert "would be 0.90 of that ceiling" in target
