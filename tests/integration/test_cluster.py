@@ -101,9 +101,7 @@ def test_leader_lost_stepped_down_and_quorum_lost_kill_and_reorder_nothing(
                 assert_no_fast_batch(relays, stream.name)
             else:
                 assert_batches_stored(relays, mode)
-            verdict = finish(
-                campaign, *relays, title="jetstream cluster campaign", drain_timeout=180
-            )
+            verdict = finish(campaign, *relays, title="jetstream cluster campaign", drain_stall=180)
             assert verdict.dead == []
         finally:
             campaign.close()

@@ -61,7 +61,7 @@ def port_of(url: str) -> int:
 
 
 def finish(
-    campaign: Campaign, *relays: RelayProcess, title: str = "campaign", drain_timeout: float = 90.0
+    campaign: Campaign, *relays: RelayProcess, title: str = "campaign", drain_stall: float = 90.0
 ) -> Verdict:
     """Stop the producers, let the relays come back to ready, drain, check, and show
     the counts. A campaign without poison rows ends with no dead row at all; with
@@ -75,8 +75,9 @@ def finish(
             f"its log ends:\n{relay.logs()[-4000:]}"
         )
         wait_until(relay.ready, timeout=60, message="every relay ready again")
+    started = time.monotonic()
     try:
-        campaign.drain(MAX_ATTEMPTS, timeout=drain_timeout)
+        left = campaign.drain(MAX_ATTEMPTS, stall=drain_stall)
     except AssertionError as exc:
         tails = "".join(
             f"\nrelay {n} (pid {relay.process.pid}), its log ends:\n{relay.logs()[-3000:]}"
@@ -84,8 +85,9 @@ def finish(
             if relay.process is not None
         )
         raise AssertionError(f"{exc}{tails}") from None
+    drained = f"drained {left} rows in {time.monotonic() - started:.1f} s"
     verdict = campaign.verdict(MAX_ATTEMPTS)
-    print(f"\n{title}: {verdict.summary()}")
+    print(f"\n{title}: {drained}; {verdict.summary()}")
     assert verdict.ok, verdict.summary() + "\n" + verdict.details()
     assert verdict.committed > 0
     assert verdict.poison_dead == verdict.poison
@@ -118,6 +120,23 @@ def test_kill_9_in_each_crash_window(campaign, start_relay, failpoint):
         # Published, then killed before the commit: republished with the same
         # Nats-Msg-Id, and the stream's duplicate window dropped the copies.
         assert verdict.duplicates == 0
+
+
+def test_a_campaign_fails_when_its_drain_stops(campaign, start_relay):
+    """The check every campaign ends with can fail: a relay frozen with rows left
+    makes no progress, and the drain says so, with what holds it."""
+    campaign.start()
+    relay = start_relay(**FAST)
+    campaign.wait_for(300)
+    relay.signal(signal.SIGSTOP)
+    campaign.wait_for(len(campaign.committed) + 100)
+    campaign.stop()
+    try:
+        with pytest.raises(AssertionError, match=r"the drain stopped: \d+ of \d+ rows left"):
+            campaign.drain(MAX_ATTEMPTS, stall=3)
+    finally:
+        relay.signal(signal.SIGCONT)
+    finish(campaign, relay)
 
 
 def test_sigterm_in_the_middle_of_batches(campaign, start_relay):
@@ -527,7 +546,7 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
                 campaign,
                 *relays,
                 title=f"mixed campaign, faults: {', '.join(faults)}",
-                drain_timeout=120,
+                drain_stall=120,
             )
             assert verdict.poison_dead == verdict.poison > 0
             assert verdict.committed >= 20_000
