@@ -207,6 +207,13 @@ class Relay:
                 self.config.table_display,
                 self.config.poll_interval,
             )
+        if not report.late_trigger_present:
+            log.warning(
+                "late-insert trigger is not installed on %s: every claim walks the claim "
+                "index from its first entry, which costs more the longer something holds "
+                "the vacuum horizon back (run `outbox-relay install`)",
+                self.config.table_display,
+            )
         return True
 
     async def _run_scheduler(self) -> None:

@@ -24,6 +24,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from relay import aio
+from relay.claimstart import ClaimStart, ClaimSummary
 from relay.config import Config
 from relay.errors import DatabaseUnavailable, SetupError, first_line
 from relay.marks import Marks
@@ -130,6 +131,9 @@ async def translated(doing: str) -> AsyncIterator[None]:
 @dataclass(frozen=True)
 class SetupReport:
     trigger_present: bool
+    # Without the late-insert trigger every claim walks from the claim index's first
+    # entry (relay/claimstart.py).
+    late_trigger_present: bool
     # Rows found at the cap without relay_dead_at, or dead as an earlier version left
     # them (not holding their subject), and marked dead now (the adopt_dead query).
     adopted_dead: int
@@ -194,17 +198,20 @@ class Transaction:
     :data:`POOLED_CONNECTION` makes them: the claim opens the transaction). asyncio
     side: its methods run inside a batch's single crossing (see :mod:`relay.batch`).
 
-    ``prepared`` holds the connections that have the claim prepared."""
+    ``prepared`` holds the connections that have the claim prepared; ``start``
+    carries where the claim's walks start from one claim to the next."""
 
     def __init__(
         self,
         conn: psycopg.AsyncConnection[Any],
         names: Names,
         prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]],
+        start: ClaimStart,
     ) -> None:
         self._conn = conn
         self._names = names
         self._prepared = prepared
+        self._start = start
 
     async def claim(
         self, batch_size: int, max_attempts: int, ours: Set[RowId] = frozenset()
@@ -217,8 +224,11 @@ class Transaction:
                 await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT))
                 self._prepared.add(conn)
             cursor = psycopg.AsyncClientCursor(conn)
+            execution = claim_execution(
+                CLAIM_STATEMENT, batch_size, max_attempts, self._start.key()
+            )
             try:
-                await cursor.execute(claim_execution(CLAIM_STATEMENT, batch_size, max_attempts))
+                await cursor.execute(execution)
             except psycopg.errors.InvalidSqlStatementName:
                 # Deallocated behind our back (DISCARD ALL by a proxy, say): this
                 # batch fails and is retried, and the next claim prepares it again.
@@ -226,6 +236,11 @@ class Transaction:
                 raise
             cursor.nextset()  # past the BEGIN's result, to the claim's rows
             found = await cursor.fetchall()
+        # The last row is the claim's summary (blocker null): where the next starts.
+        *found, (_, start_at, statement_at, xmin, xid, _, _, _, start_seq, _) = found
+        self._start.observe(
+            ClaimSummary(start_at, start_seq, statement_at, int(xmin), xid and int(xid))
+        )
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
         blockers = earliest_blockers(
             ((row[4], (row[7], row[8], row[1])) for row in found if row[0]), ours
@@ -288,6 +303,7 @@ class Database:
         }
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._claim_prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        self.claim_start = ClaimStart()
 
     @property
     def conninfo(self) -> str:
@@ -354,7 +370,7 @@ class Database:
         async with translated("begin batch"):
             conn = await pool.getconn()
         try:
-            yield Transaction(conn, self.names, self._claim_prepared)
+            yield Transaction(conn, self.names, self._claim_prepared, self.claim_start)
         finally:
             # Runs to its end even when the batch was cancelled (its deadline passed):
             # asyncio delivers a cancellation once, and trio waits for this task.
@@ -376,26 +392,35 @@ class Database:
                 conn.execute, query(self.names, "relay_columns"), {"table": table_text}
             )
             columns = await aio.call(cursor.fetchone)
-            if columns is None or columns[0] != 5:
+            if columns is None or columns[0] != 6:
                 raise SetupError(
                     f"--table: table {self.config.table_display} lacks the relay's columns "
                     "(relay_retry_at, relay_last_error, relay_dead_at, relay_seq, "
-                    "relay_skipped_at): "
+                    "relay_skipped_at, relay_late): "
                     "run `outbox-relay install`"
                 )
-            cursor = await aio.call(
-                conn.execute,
-                query(self.names, "notify_trigger_present"),
-                {"table": table_text, "trigger": self.names.trigger_name},
-            )
-            trigger = await aio.call(cursor.fetchone)
+            present = []
+            for trigger_name in (self.names.trigger_name, self.names.late_trigger_name):
+                cursor = await aio.call(
+                    conn.execute,
+                    query(self.names, "trigger_present"),
+                    {"table": table_text, "trigger": trigger_name},
+                )
+                found = await aio.call(cursor.fetchone)
+                present.append(bool(found and found[0]))
+            trigger, late_trigger = present
+            if not late_trigger:
+                # Without it a late row could sit before the start key unseen.
+                self.claim_start.disable()
             cursor = await aio.call(
                 conn.execute,
                 query(self.names, "adopt_dead"),
                 {"max_attempts": self.config.max_attempts},
             )
             adopted = cursor.rowcount
-        return SetupReport(trigger_present=bool(trigger and trigger[0]), adopted_dead=adopted)
+        return SetupReport(
+            trigger_present=trigger, late_trigger_present=late_trigger, adopted_dead=adopted
+        )
 
     async def backlog(self, max_attempts: int) -> Backlog:
         async with self.connection("gauges") as conn, translated("gauges"):

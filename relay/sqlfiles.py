@@ -16,6 +16,7 @@ from pathlib import Path
 
 from psycopg import sql
 
+from relay.claimstart import LATE_INSERT_SECONDS, StartKey
 from relay.config import Config
 
 _BLOCK = re.compile(r"^-- (name|fragment): (\w+)\s*$", re.MULTILINE)
@@ -105,10 +106,15 @@ class Names:
     published_idx_qualified: sql.Identifier
     notify_function: sql.Identifier
     notify_trigger: sql.Identifier
+    late_function: sql.Identifier
+    late_trigger: sql.Identifier
+    late_idx: sql.Identifier
+    late_idx_qualified: sql.Identifier
     channel: sql.Literal
     idle_lock_key1: sql.Literal
     idle_lock_key2: sql.Literal
     trigger_name: str
+    late_trigger_name: str
     # The same objects' names as text literals, for catalog checks (to_regclass).
     catalog_names: dict[str, sql.Literal]
 
@@ -138,10 +144,15 @@ class Names:
             published_idx_qualified=sql.Identifier(*schema, f"{base}_relay_published_idx"),
             notify_function=sql.Identifier(*schema, f"{base}_relay_notify"),
             notify_trigger=sql.Identifier(f"{base}_relay_notify"),
+            late_function=sql.Identifier(*schema, f"{base}_relay_late"),
+            late_trigger=sql.Identifier(f"{base}_relay_late"),
+            late_idx=sql.Identifier(f"{base}_relay_late_idx"),
+            late_idx_qualified=sql.Identifier(*schema, f"{base}_relay_late_idx"),
             channel=sql.Literal(config.channel),
             idle_lock_key1=sql.Literal(IDLE_LOCK_CLASS),
             idle_lock_key2=sql.Literal(idle_lock_key(config)),
             trigger_name=f"{base}_relay_notify",
+            late_trigger_name=f"{base}_relay_late",
             catalog_names={
                 "table": sql.Literal(_quoted(*config.table)),
                 "unpublished_idx": sql.Literal(_quoted(*schema, f"{base}_unpublished_idx")),
@@ -151,6 +162,7 @@ class Names:
                 "old_backoff_idx": sql.Literal(_quoted(*schema, f"{base}_relay_backoff_idx")),
                 "old_retry_idx": sql.Literal(_quoted(*schema, f"{base}_relay_retry_idx")),
                 "published_idx": sql.Literal(_quoted(*schema, f"{base}_relay_published_idx")),
+                "late_idx": sql.Literal(_quoted(*schema, f"{base}_relay_late_idx")),
             },
         )
 
@@ -167,6 +179,13 @@ class Names:
             old_retry_idx_name=self.catalog_names["old_retry_idx"],
             published_idx_name=self.catalog_names["published_idx"],
             trigger_name=sql.Literal(self.trigger_name),
+            late_trigger_name=sql.Literal(self.late_trigger_name),
+            late_idx_name=self.catalog_names["late_idx"],
+            late_function=self.late_function,
+            late_trigger=self.late_trigger,
+            late_idx=self.late_idx,
+            late_idx_qualified=self.late_idx_qualified,
+            late_insert=LATE_INSERT,
             unpublished_idx=self.unpublished_idx,
             claim_idx=self.claim_idx,
             retry_idx=self.retry_idx,
@@ -221,23 +240,49 @@ def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
     return names.compose(template, **slots)
 
 
+# How much later than its created_at a row may be inserted and not be flagged late
+# (relay/claimstart.py): in the trigger's test, and in the claim's walk back.
+LATE_INSERT = sql.SQL("make_interval(secs => {})").format(sql.Literal(LATE_INSERT_SECONDS))
+
 # The claim's parameters are slots in sql/queries.sql, not %(name)s: as they are,
-# bound parameters; when the relay prepares the claim, $1 and $2.
+# bound parameters; when the relay prepares the claim, $1 to $5, typed in PREPARE.
+_CLAIM_PARAMETER_TYPES = {
+    "batch_size": "integer",
+    "max_attempts": "integer",
+    "start_at": "timestamptz",
+    "start_seq": "bigint",
+    "bound_at": "timestamptz",
+}
 CLAIM_PARAMETERS: dict[str, sql.Composable] = {
-    "batch_size": sql.Placeholder("batch_size"),
-    "max_attempts": sql.Placeholder("max_attempts"),
+    name: sql.Placeholder(name) for name in _CLAIM_PARAMETER_TYPES
 }
 
 
+def claim_parameters(batch_size: int, max_attempts: int, start: StartKey) -> dict[str, object]:
+    """The claim's parameters, by name, for running it as it is."""
+    return {
+        "batch_size": batch_size,
+        "max_attempts": max_attempts,
+        "start_at": start.start_at,
+        "start_seq": start.start_seq,
+        "bound_at": start.bound_at,
+    }
+
+
 def claim_preparation(names: Names, statement: sql.Identifier) -> sql.Composed:
-    """``PREPARE statement (batch_size, max_attempts) AS`` the claim."""
-    body = query(names, "claim", batch_size=sql.SQL("$1"), max_attempts=sql.SQL("$2"))
-    return sql.SQL("prepare {} (integer, integer) as\n").format(statement) + body
+    """``PREPARE statement (batch_size, max_attempts, start ...) AS`` the claim."""
+    positions = {name: sql.SQL(f"${i}") for i, name in enumerate(_CLAIM_PARAMETER_TYPES, 1)}
+    body = query(names, "claim", **positions)
+    types = sql.SQL(", ").join(sql.SQL(t) for t in _CLAIM_PARAMETER_TYPES.values())
+    return sql.SQL("prepare {} ({}) as\n").format(statement, types) + body
 
 
-def claim_execution(statement: sql.Identifier, batch_size: int, max_attempts: int) -> sql.Composed:
+def claim_execution(
+    statement: sql.Identifier, batch_size: int, max_attempts: int, start: StartKey
+) -> sql.Composed:
     """Open the batch's transaction and run the prepared claim: one message, one
     round trip."""
-    return sql.SQL("begin; execute {} ({}, {})").format(
-        statement, sql.Literal(batch_size), sql.Literal(max_attempts)
+    values = claim_parameters(batch_size, max_attempts, start).values()
+    return sql.SQL("begin; execute {} ({})").format(
+        statement, sql.SQL(", ").join(sql.Literal(v) for v in values)
     )

@@ -26,6 +26,9 @@ and not exists (
 
 -- name: claim
 -- The next batch, in (created_at, relay_seq) order, the claim index's:
+--   walk_from where this claim's walks start: the earliest of the relay's start
+--            key and the earliest live row flagged late (see below);
+--   start    the first live entry of the claim index from there;
 --   horizon  the 2 x batch_size-th claimable row: how far this claim looks;
 --   claimed  up to batch_size claimable rows up to the horizon, locked
 --            FOR UPDATE SKIP LOCKED (rows another relay holds are skipped);
@@ -34,7 +37,24 @@ and not exists (
 --            committed after a concurrent claim's snapshot). A claimed row behind
 --            the earliest blocker of its subject waits; the relay picks that one
 --            (a DISTINCT ON here would need a sort).
--- One result: the claimed rows (blocker = false), then the blockers.
+-- One result: the claimed rows (blocker = false), then the blockers, then one
+-- summary row (blocker null) that the relay keeps for its next claim: where the
+-- live rows started, and when and in which snapshot this claim looked.
+--
+-- Why a start key. Every row the relay publishes leaves a dead entry in the claim
+-- index, and while anything holds the MVCC horizon back (a long transaction, a
+-- standby, a slot) no vacuum and no index scan may remove it: a walk from the
+-- index's first entry would pay for every row published since. So the walks start
+-- at the start key (start_at, start_seq), which the relay carries from its last claim
+-- (relay/claimstart.py): the first live entry that claim saw, or, if earlier, the
+-- earliest created_at a row committed since can have. That bound comes from the
+-- snapshot: a transaction that commits later has an xid no older than the
+-- snapshot's xmin, so it took its xid after bound_at, the time of an earlier
+-- claim whose own xid is older than that xmin, and a row it inserts then has a
+-- created_at no earlier than that, less the late-insert slack, unless the late-insert
+-- trigger flagged it (relay_late, sql/install/004_late_rows.sql): those, and rows
+-- `requeue` brought back, are found through their own small index.
+-- A start_at of '-infinity' walks from the first entry (at start, and to rewind).
 --
 -- Each walk reads at most two batches' worth and stops, however many rows share a
 -- created_at and however many dead rows there are (they are not in the index).
@@ -43,13 +63,38 @@ and not exists (
 -- outside years 1-9999), ``created_at`` as epoch seconds (float8 keeps microsecond
 -- order near now, and turns +-infinity into +-inf).
 -- Fences: each CTE is "materialized" so it runs once, not inlined into its users.
-with horizon as materialized (
+with walk_from as materialized (
+  select k.created_at, k.relay_seq
+    from (select {start_at}::timestamptz, {start_seq}::bigint
+          union all
+          select {bound_at}::timestamptz - {late_insert}, -9223372036854775808
+          union all
+          (select l.created_at, l.relay_seq
+             from {table} l
+            where l.relay_late and coalesce(l.published_at, l.relay_dead_at) is null
+            order by l.created_at, l.relay_seq
+            limit 1)) k (created_at, relay_seq)
+   order by k.created_at, k.relay_seq
+   limit 1
+),
+start as materialized (
+  select s.created_at, s.relay_seq
+    from {table} s
+   where coalesce(s.published_at, s.relay_dead_at) is null
+     and (s.created_at, s.relay_seq)
+         >= ((select created_at from walk_from), (select relay_seq from walk_from))
+   order by s.created_at, s.relay_seq
+   limit 1
+),
+horizon as materialized (
   -- Counting the rows other relays hold (a plain read does not skip them): a claim
   -- that walked on past their batches would take rows of the subjects they hold,
   -- only to let them go again behind the gate (docs/performance.md).
   select h.created_at, h.relay_seq
     from {table} h
    where {claimable(h)}
+     and (h.created_at, h.relay_seq)
+         >= ((select created_at from start), (select relay_seq from start))
    order by h.created_at, h.relay_seq
    offset 2 * {batch_size} - 1
    limit 1
@@ -62,6 +107,8 @@ claimed as materialized (
          o.data::text as data, o.created_at, o.relay_seq, o.attempts
     from {table} o
    where {claimable(o)}
+     and (o.created_at, o.relay_seq)
+         >= ((select created_at from start), (select relay_seq from start))
      -- The horizon as two parameters: an index condition that ends the walk there.
      -- The filter is the horizon's again: this scan locks the rows, and only its
      -- conditions are checked again on a row another relay changed meanwhile.
@@ -75,23 +122,27 @@ claimed as materialized (
 last as materialized (
   select created_at, relay_seq from claimed order by created_at desc, relay_seq desc limit 1
 ),
--- The unpublished live rows before the batch's last row, in two walks of the claim
--- index, each bounded by parameters: rows of an earlier created_at, then rows of
--- the last created_at before the last row. Fence: one walk with the row comparison
--- "(created_at, relay_seq) < last" was planned as "created_at <= last", reading
--- every row that shares the batch's last created_at (the rest of one big
+-- The unpublished live rows from the start to the batch's last row, in two walks of
+-- the claim index, each bounded by parameters: rows of an earlier created_at, then
+-- rows of the last created_at before the last row. Fence: one walk with the row
+-- comparison "(created_at, relay_seq) < last" was planned as "created_at <= last",
+-- reading every row that shares the batch's last created_at (the rest of one big
 -- transaction).
 ahead as (
   select e.id, e.subject, e.created_at, e.relay_seq
     from {table} e
    where coalesce(e.published_at, e.relay_dead_at) is null
      and e.attempts < {max_attempts}
+     and (e.created_at, e.relay_seq)
+         >= ((select created_at from start), (select relay_seq from start))
      and e.created_at < (select created_at from last)
   union all
   select e.id, e.subject, e.created_at, e.relay_seq
     from {table} e
    where coalesce(e.published_at, e.relay_dead_at) is null
      and e.attempts < {max_attempts}
+     and (e.created_at, e.relay_seq)
+         >= ((select created_at from start), (select relay_seq from start))
      and e.created_at = (select created_at from last)
      and e.relay_seq < (select relay_seq from last)
 )
@@ -108,7 +159,16 @@ select true, a.id::text, null, null, a.subject, null, null,
  -- becomes a semi join that, on statistics from before a burst, loops over every
  -- claimed row for every row here (docs/performance.md).
  where (a.subject in (select subject from claimed)) is true
-   and a.id not in (select id from claimed);
+   and a.id not in (select id from claimed)
+union all
+-- The summary, last, so that the claim's row locks (which give this transaction its
+-- xid) were taken before it is read: the start (its created_at as text, exact;
+-- null when no live row was found), this statement's time, the snapshot's xmin, and
+-- this transaction's xid (null when it claimed nothing).
+select null, (select created_at from start)::text, statement_timestamp()::text,
+       pg_snapshot_xmin(pg_current_snapshot())::text,
+       pg_current_xact_id_if_assigned()::text, null, null, null,
+       (select relay_seq from start), null;
 
 -- name: mark_published
 -- The ids come as one uuid[] literal in a string: the relay holds them as text, and
@@ -154,10 +214,10 @@ delete from {table} t
 select count(*) from pg_attribute
  where attrelid = %(table)s::regclass
    and attname in ('relay_retry_at', 'relay_last_error', 'relay_dead_at', 'relay_seq',
-                   'relay_skipped_at')
+                   'relay_skipped_at', 'relay_late')
    and not attisdropped;
 
--- name: notify_trigger_present
+-- name: trigger_present
 select count(*) from pg_trigger
  where tgrelid = %(table)s::regclass and tgname = %(trigger)s and not tgisinternal;
 
@@ -239,9 +299,11 @@ select id, event_type, attempts, relay_last_error, relay_skipped_at is not null 
    for update;
 
 -- name: requeue_reset
+-- Flagged late: a row back in the claim index at its old place, which the relays'
+-- start keys may have passed (see the claim).
 update {table}
    set attempts = 0, relay_retry_at = null, relay_last_error = null, relay_dead_at = null,
-       relay_skipped_at = null
+       relay_skipped_at = null, relay_late = true
  where id = any(%(ids)s) and published_at is null;
 
 -- name: skip_select

@@ -5,6 +5,9 @@
 -- them by hand once no relay runs, if you must).
 drop trigger if exists {notify_trigger} on {table};
 drop function if exists {notify_function}();
+drop trigger if exists {late_trigger} on {table};
+drop function if exists {late_function}();
+drop index if exists {late_idx_qualified};
 drop index if exists {claim_idx_qualified};
 drop index if exists {retry_idx_qualified};
 drop index if exists {old_retry_idx_qualified};

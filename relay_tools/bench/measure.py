@@ -14,8 +14,9 @@ from pathlib import Path
 import nats
 import psycopg
 
+from relay.claimstart import FROM_FIRST_ENTRY
 from relay.config import Config
-from relay.sqlfiles import Names, query
+from relay.sqlfiles import Names, claim_parameters, query
 from relay_tools.bench.baseline import plain_poller
 from relay_tools.bench.harness import (
     Consumer,
@@ -110,7 +111,8 @@ async def claim_time(target: Target, samples: int = 7, batch: int = 500) -> floa
         for _ in range(samples):
             started = time.perf_counter()
             cur = await conn.execute(
-                query(names, "claim"), {"batch_size": batch, "max_attempts": Config().max_attempts}
+                query(names, "claim"),
+                claim_parameters(batch, Config().max_attempts, FROM_FIRST_ENTRY),
             )
             await cur.fetchall()
             times.append((time.perf_counter() - started) * 1000)

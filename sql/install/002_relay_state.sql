@@ -1,4 +1,4 @@
--- State the relay owns. Both columns are nullable and have no default, so adding
+-- State the relay owns. Its columns are all nullable and have no default, so adding
 -- them is a catalog-only change: no table rewrite, no cost to producers' inserts.
 --
 -- relay_retry_at: a failed row is not retried before this time. Keeping it in the
@@ -12,6 +12,9 @@
 -- every replica, through the same index and question as a row in backoff.
 -- relay_skipped_at: when an operator gave up on the row (`outbox-relay skip`): it
 -- stays in the table, unpublished, and no longer holds its subject back.
+-- relay_late: the row may sit before the relays' start keys: inserted long after
+-- its created_at, or brought back by `requeue` (sql/install/004_late_rows.sql).
+-- relay_seq: insertion order (below).
 --
 -- Every change is made only when missing (checked in the catalog first), so an
 -- install on an installed table takes no lock on it: "alter table ... add column
@@ -23,7 +26,7 @@ begin
   foreach missing slice 1 in array array[
       ['relay_retry_at', 'timestamptz'], ['relay_last_error', 'text'],
       ['relay_dead_at', 'timestamptz'], ['relay_skipped_at', 'timestamptz'],
-      ['relay_seq', 'bigint']]
+      ['relay_seq', 'bigint'], ['relay_late', 'boolean']]
   loop
     if not exists (select 1 from pg_attribute
                     where attrelid = {table_name}::regclass and attname = missing[1]

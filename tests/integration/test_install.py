@@ -13,11 +13,12 @@ from typing import Any
 import psycopg
 import pytest
 
+from relay.claimstart import FROM_FIRST_ENTRY, ClaimStart
 from relay.config import Config
 from relay.database import POOLED_CONNECTION, Database, Transaction
 from relay.errors import DatabaseUnavailable
 from relay.marks import FailureMark, Marks
-from relay.sqlfiles import Names, query
+from relay.sqlfiles import Names, claim_parameters, query
 from tests.support import database
 from tests.support.database import Event
 from tests.support.servers import SHARED_PG_URL
@@ -292,8 +293,8 @@ def held_batch_and_plans(url: str) -> tuple[str, str]:
     names = Names.for_config(Config())
     with relay_session(url) as other, relay_session(url) as conn:
         alone = claim_plan(conn)
-        held = other.execute(query(names, "claim"), {"batch_size": 500, "max_attempts": 20})
-        assert len(held.fetchall()) == 500
+        held = other.execute(query(names, "claim"), claim_parameters(500, 20, FROM_FIRST_ENTRY))
+        assert len(claimed_and_blockers(held.fetchall())) == 500
         beside = claim_plan(conn)
         other.rollback()
     return alone, beside
@@ -350,13 +351,19 @@ def test_dead_rows_ahead_of_a_backlog_cost_a_claim_nothing(db_url):
     assert_claims_read_about_a_batch_on_stale_then_fresh_statistics(db_url)
 
 
+def claimed_and_blockers(found: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The claim's rows without its summary (the last row, blocker null)."""
+    assert found[-1][0] is None
+    return found[:-1]
+
+
 def claim_plan(conn, batch_size: int = 500) -> str:
     """EXPLAIN ANALYZE of the claim, rolled back, on a connection with the relay's
     session settings."""
     names = Names.for_config(Config())
     lines = conn.execute(
         psycopg.sql.SQL("explain (analyze, timing off, costs off) ") + query(names, "claim"),
-        {"batch_size": batch_size, "max_attempts": 20},
+        claim_parameters(batch_size, 20, FROM_FIRST_ENTRY),
     ).fetchall()
     conn.rollback()
     return "\n".join(line for (line,) in lines)
@@ -373,14 +380,14 @@ def relay_session(url: str) -> psycopg.Connection[Any]:
 
 def assert_claim_reads_about_a_batch(plan: str, batch_size: int = 500) -> None:
     """Every scan of the claim reads at most two batches' worth of rows (it may step
-    over a batch another relay holds), walks only the claim index or the retry index,
-    and sorts nothing bigger than its own batch."""
+    over a batch another relay holds), walks only the claim index, the retry index or
+    the late rows' index, and sorts nothing bigger than its own batch."""
     for line in plan.splitlines():
         if "Seq Scan" in line or "Bitmap" in line:
             raise AssertionError(f"{line.strip()} in plan:\n{plan}")
         if "Scan using" in line and "on outbox_events" in line:
-            assert (
-                "outbox_events_relay_claim_idx" in line or "outbox_events_relay_waiting_idx" in line
+            assert any(
+                f"outbox_events_relay_{index}_idx" in line for index in ("claim", "waiting", "late")
             ), plan
             found = re.search(r"rows=(\d+) loops=(\d+)", line)
             assert found, line
@@ -429,9 +436,10 @@ def test_one_big_transaction_is_claimed_without_blockers(db_url):
               from generate_series(1, 5000) g""")
     with psycopg.connect(db_url) as conn:
         found = conn.execute(
-            query(Names.for_config(Config()), "claim"), {"batch_size": 500, "max_attempts": 20}
+            query(Names.for_config(Config()), "claim"), claim_parameters(500, 20, FROM_FIRST_ENTRY)
         ).fetchall()
         conn.rollback()
+    found = claimed_and_blockers(found)
     assert len(found) == 500
     assert not any(row[0] for row in found)  # no blockers
 
@@ -457,9 +465,9 @@ def test_claim_beside_another_batch_on_stale_statistics_hashes_the_subjects(db_u
                 session.execute("select set_config(%s, %s, false)", (name, value))
             session.commit()
         held = other.execute(
-            query(Names.for_config(Config()), "claim"), {"batch_size": 500, "max_attempts": 20}
+            query(Names.for_config(Config()), "claim"), claim_parameters(500, 20, FROM_FIRST_ENTRY)
         ).fetchall()
-        assert len(held) == 500
+        assert len(claimed_and_blockers(held)) == 500
         plan = claim_plan(conn)
         other.rollback()
     assert "Nested Loop" not in plan, plan
@@ -480,7 +488,7 @@ def test_marks_are_planned_each_time_and_the_claim_is_prepared(db_url):
             prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
             for _ in range(count):
                 database.insert(db_url, [Event("a.b", "s")])
-                tx = Transaction(conn, names, prepared)
+                tx = Transaction(conn, names, prepared, ClaimStart())
                 claim = await tx.claim(batch_size=10, max_attempts=20)
                 assert claim.rows
                 marks = Marks(
@@ -520,7 +528,7 @@ def test_the_prepared_claim_outlives_a_rollback_and_comes_back_after_a_deallocat
                     await conn.execute("deallocate all")
                 database.insert(db_url, [Event("a.b", "s")])
                 try:
-                    claim = await Transaction(conn, names, prepared).claim(10, 20)
+                    claim = await Transaction(conn, names, prepared, ClaimStart()).claim(10, 20)
                     outcomes.append(f"{step}: {len(claim.rows)}")
                 except DatabaseUnavailable as exc:
                     outcomes.append(f"{step}: {exc}")

@@ -11,6 +11,7 @@ import trio.testing
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from psycopg import sql
 
+from relay.claimstart import StartKey
 from relay.config import Config
 from relay.health import Health
 from relay.httpserver import HttpServer, parse_request_line
@@ -53,15 +54,21 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     names = Names.for_config(Config(table=("billing", "Outbox")))
     statement = sql.Identifier("outbox_relay_claim")
     prepared = claim_preparation(names, statement).as_string()
-    assert prepared.startswith('prepare "outbox_relay_claim" (integer, integer) as\n')
+    assert prepared.startswith(
+        'prepare "outbox_relay_claim" (integer, integer, timestamptz, bigint, timestamptz) as\n'
+    )
     assert "%(" not in prepared
     assert prepared.count("$1") == 2  # batch_size: the horizon's offset, the limit
     # max_attempts: the horizon and the claim, both walks ahead (the probes for an
     # earlier waiting row of a subject need none: a dead row waits for good)
     assert prepared.count("$2") == 4
+    # the start key and the late-commit bound, each once, in walk_from
+    assert [prepared.count(f"${i}") for i in (3, 4, 5)] == [1, 1, 1]
     assert '"billing"."Outbox"' in prepared
-    assert claim_execution(statement, 500, 20).as_string() == (
-        'begin; execute "outbox_relay_claim" (500, 20)'
+    start = StartKey("2026-12-04 10:00:00.000001+00", 7, "2026-12-04 10:00:01+00")
+    assert claim_execution(statement, 500, 20, start).as_string() == (
+        "begin; execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
+        "'2026-12-04 10:00:01+00')"
     )
 
 
