@@ -11,8 +11,10 @@ from typing import Any
 from uuid import UUID
 
 import psycopg
+from psycopg import sql
 
 from relay.config import Config
+from relay.horizon import Holder, describe, read_holders
 from relay.sqlfiles import Names, query
 
 
@@ -40,9 +42,24 @@ class HeldSubject:
 
 
 @dataclass(frozen=True)
+class VacuumHorizon:
+    """What holds the vacuum horizon back, oldest first, and what it has cost."""
+
+    holders: list[Holder]
+    dead_tuples: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
 class Status:
     backlog: list[TypeBacklog]
     held: list[HeldSubject]
+    horizon: VacuumHorizon
+
+
+# Holders of the horizon `status` names, and from how old on.
+HORIZON_HOLDERS_SHOWN = 3
+HORIZON_SHOWN_FROM = 60.0
 
 
 HELD_SUBJECTS_SHOWN = 50
@@ -61,7 +78,34 @@ def read_status(conninfo: str, config: Config) -> Status:
             HeldSubject(subject, dead, waiting, str(first), error)
             for subject, dead, waiting, first, error in rows.fetchall()
         ]
-    return Status(backlog, held)
+        table = sql.Identifier(*config.table).as_string()
+        dead_tuples, total_bytes, _ = conn.execute(
+            query(names, "table_health"), {"table": table}
+        ).fetchall()[0]
+        holders = read_holders(
+            conn.execute(
+                query(names, "horizon_holders"), {"limit": HORIZON_HOLDERS_SHOWN}
+            ).fetchall()
+        )
+    return Status(backlog, held, VacuumHorizon(holders, dead_tuples, total_bytes))
+
+
+def render_horizon(horizon: VacuumHorizon, shown_from: float = HORIZON_SHOWN_FROM) -> list[str]:
+    """The holders of the vacuum horizon older than ``shown_from`` seconds (or hidden
+    from this role), one line each, and what to do."""
+    shown = [h for h in horizon.holders if not h.visible or (h.seconds or 0.0) >= shown_from]
+    if not shown:
+        return []
+    lines = [
+        f"\nvacuum horizon: {horizon.dead_tuples} dead tuples, table and indexes "
+        f"{horizon.total_bytes / 1e6:.0f} MB; no vacuum may remove them while it is"
+    ]
+    lines.extend("  " + describe(h, h.seconds or 0.0) for h in shown)
+    lines.append(
+        "  end it (or the slot, or the prepared transaction) to let vacuum reclaim them; "
+        "the relay's claims do not slow down meanwhile"
+    )
+    return lines
 
 
 def format_age(seconds: float) -> str:
@@ -87,7 +131,8 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str
 def render_status(status: Status, config: Config) -> str:
     backlog = status.backlog
     if not backlog:
-        return f"{config.table_display}: nothing unpublished\n"
+        horizon = render_horizon(status.horizon)
+        return "\n".join([f"{config.table_display}: nothing unpublished", *horizon]) + "\n"
     header = (
         "EVENT TYPE", "UNPUBLISHED", "DEAD", "SKIPPED", "BACKING OFF", "OLDEST", "MAX ATTEMPTS"
     )  # fmt: skip
@@ -129,6 +174,7 @@ def render_status(status: Status, config: Config) -> str:
     if errors:
         lines.append("\nlast errors:")
         lines.extend(f"  {event_type or '(empty)'}: {error}" for event_type, error in errors)
+    lines.extend(render_horizon(status.horizon))
     return "\n".join(lines) + "\n"
 
 

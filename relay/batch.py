@@ -48,6 +48,8 @@ class BatchOutcome:
     # The broker acknowledged none of what was sent (relay.marks.broker_outage): the
     # rows it failed were left as they were, not counted against them.
     broker_outage: bool = False
+    # Its claim walked the claim index from the first entry (relay/claimstart.py).
+    from_first_entry: bool = False
 
 
 def split_by_publish_mode(
@@ -185,7 +187,7 @@ class Batch:
                     claim = await tx.claim(config.batch_size, config.max_attempts, ours)
                     if not claim.rows:
                         await tx.commit()
-                        return BatchOutcome()
+                        return BatchOutcome(from_first_entry=claim.from_first_entry)
                     flight = _Flight(claim.rows, asyncio.get_running_loop())
                     self._in_flight.append(flight)
                 rows = claim.rows
@@ -218,7 +220,9 @@ class Batch:
                     if self._failpoints.enabled(crash)
                     else None,
                 )
-            return BatchOutcome(rows, held, results, marks, marks.broker_outage)
+            return BatchOutcome(
+                rows, held, results, marks, marks.broker_outage, claim.from_first_entry
+            )
         finally:
             # Out of flight only once its transaction is over: until then a later
             # claim sees its rows as unpublished.

@@ -24,9 +24,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from relay import aio
-from relay.claimstart import ClaimStart, ClaimSummary
+from relay.claimstart import FROM_FIRST_ENTRY, ClaimStart, ClaimSummary
 from relay.config import Config
 from relay.errors import DatabaseUnavailable, SetupError, first_line
+from relay.horizon import Holder, read_holders
 from relay.marks import Marks
 from relay.model import OutboxRow, RowId
 from relay.ordering import OrderKey, earliest_blockers
@@ -182,6 +183,13 @@ async def _give_back(
 class Claim:
     rows: list[OutboxRow]
     blockers: dict[str, OrderKey]
+    from_first_entry: bool = False  # its walks started at the claim index's first entry
+
+
+@dataclass(frozen=True)
+class Deleted:
+    count: int
+    last_published_at: str | None  # exact, as Postgres text; None when none went
 
 
 @dataclass(frozen=True)
@@ -224,9 +232,8 @@ class Transaction:
                 await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT))
                 self._prepared.add(conn)
             cursor = psycopg.AsyncClientCursor(conn)
-            execution = claim_execution(
-                CLAIM_STATEMENT, batch_size, max_attempts, self._start.key()
-            )
+            start = self._start.key()
+            execution = claim_execution(CLAIM_STATEMENT, batch_size, max_attempts, start)
             try:
                 await cursor.execute(execution)
             except psycopg.errors.InvalidSqlStatementName:
@@ -245,7 +252,7 @@ class Transaction:
         blockers = earliest_blockers(
             ((row[4], (row[7], row[8], row[1])) for row in found if row[0]), ours
         )
-        return Claim(rows, blockers)
+        return Claim(rows, blockers, start == FROM_FIRST_ENTRY)
 
     async def mark_and_commit(
         self, marks: Marks, crash_before_commit: Callable[[], None] | None = None
@@ -431,14 +438,41 @@ class Database:
         assert row is not None  # an aggregate always returns one row
         return Backlog(*row)
 
-    async def delete_spent(self, retention: float, batch_size: int) -> int:
+    async def horizon(self, limit: int = 1) -> tuple[TableHealth, list[Holder]]:
+        """The table's dead tuples and size, and what holds the horizon back (the
+        oldest ``limit`` holders)."""
+        table = sql.Identifier(*self.config.table).as_string()
+        async with self.connection("gauges") as conn, translated("gauges"):
+            cursor = await aio.call(
+                conn.execute, query(self.names, "table_health"), {"table": table}
+            )
+            row = await aio.call(cursor.fetchone)
+            cursor = await aio.call(
+                conn.execute, query(self.names, "horizon_holders"), {"limit": limit}
+            )
+            holders = await aio.call(cursor.fetchall)
+        assert row is not None  # one row of scalars
+        return TableHealth(*row), read_holders(holders)
+
+    async def delete_spent(self, retention: float, batch_size: int, after: str) -> Deleted:
+        """Delete up to ``batch_size`` spent rows published from ``after`` on (text,
+        exact; '-infinity' for all), oldest first."""
         async with self.connection("retention") as conn, translated("retention"):
             cursor = await aio.call(
                 conn.execute,
                 query(self.names, "delete_spent"),
-                {"retention": retention, "batch_size": batch_size},
+                {"retention": retention, "batch_size": batch_size, "after": after},
             )
-            return cursor.rowcount
+            row = await aio.call(cursor.fetchone)
+        assert row is not None  # an aggregate always returns one row
+        return Deleted(*row)
+
+
+@dataclass(frozen=True)
+class TableHealth:
+    dead_tuples: int
+    total_bytes: int
+    next_xid: int
 
 
 def install(conninfo: str, names: Names, grant_to: str | None = None) -> None:

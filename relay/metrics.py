@@ -148,6 +148,11 @@ class Metrics:
     wakeups: Counter
     sleeps: Counter
     retention_deleted: Counter
+    horizon_age: Gauge
+    horizon_xids: Gauge
+    table_dead_tuples: Gauge
+    table_bytes: Gauge
+    claims_from_first_entry: Counter
     database_errors: Counter
     publish_mode: Gauge
     batch_publishes: Counter

@@ -13,16 +13,46 @@ from relay.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+FROM_THE_FIRST_ROW = "-infinity"
+
+# How often a pass walks the published_at index from its first entry instead of from
+# where the last pass stopped, for the rows it skipped (another relay's retention
+# held them) or that were marked with an earlier published_at after it passed.
+FULL_PASS_INTERVAL = 600.0
+
+
+class RetentionCursor:
+    """Where the next retention statement starts: after the last row deleted, and
+    from the first row once every FULL_PASS_INTERVAL. ``now`` is trio's clock."""
+
+    def __init__(self, now: float) -> None:
+        self.after = FROM_THE_FIRST_ROW
+        self._full_pass_at = now
+
+    def start_pass(self, now: float) -> None:
+        if now >= self._full_pass_at:
+            self.after = FROM_THE_FIRST_ROW
+            self._full_pass_at = now + FULL_PASS_INTERVAL
+
+    def deleted_up_to(self, published_at: str | None) -> None:
+        if published_at is not None:
+            self.after = published_at
+
 
 async def run_retention(config: Config, database: Database, metrics: Metrics) -> None:
+    cursor = RetentionCursor(trio.current_time())
     while True:
         deleted = 0
+        cursor.start_pass(trio.current_time())
         try:
             while True:
-                count = await database.delete_spent(config.retention, config.retention_batch_size)
-                deleted += count
-                metrics.retention_deleted.inc(count)
-                if count < config.retention_batch_size:
+                batch = await database.delete_spent(
+                    config.retention, config.retention_batch_size, cursor.after
+                )
+                cursor.deleted_up_to(batch.last_published_at)
+                deleted += batch.count
+                metrics.retention_deleted.inc(batch.count)
+                if batch.count < config.retention_batch_size:
                     break
                 # Let the scheduler have the database between batches.
                 await trio.sleep(0.01)

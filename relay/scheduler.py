@@ -344,6 +344,8 @@ class Scheduler:
             outcome = await self._run_batch()
         finally:
             self._awake()
+        if outcome.from_first_entry:
+            self._metrics.claims_from_first_entry.inc()
         if outcome.rows:
             self._record(outcome)
         acked = sum(1 for result in outcome.results.values() if isinstance(result, Acked))

@@ -196,19 +196,32 @@ update {table} t
 
 -- name: delete_spent
 -- Retention: spent rows only, oldest first, with the same skip-locked discipline
--- as the publisher so it never waits on (or blocks) a batch in flight.
+-- as the publisher so it never waits on (or blocks) a batch in flight. It walks the
+-- published_at index from %(after)s, the last row the previous statement deleted:
+-- the entries before it are the rows retention deleted, dead ones that no vacuum
+-- may remove while something holds the horizon back, and a walk from the index's
+-- first entry would visit them all in every statement (relay/retention.py walks
+-- from the first entry now and then, for rows another relay's retention held).
+-- Returns how many rows went, and the last one's published_at, exact, as text.
 with spent as (
-  select id
+  select id, published_at
     from {table}
    where published_at is not null
+     and published_at >= %(after)s::timestamptz
      and published_at < now() - make_interval(secs => %(retention)s)
    order by published_at
    limit %(batch_size)s
      for update skip locked
+),
+-- Fence: the ids as an array, so each is one probe of the primary key; as a join
+-- with "spent" the planner hashed it against a sequential scan of the whole table,
+-- dead tuples and all, in every statement.
+deleted as (
+  delete from {table} t
+   where t.id = any (array(select id from spent))
+  returning t.published_at
 )
-delete from {table} t
- using spent
- where t.id = spent.id;
+select count(*), max(published_at)::text from deleted;
 
 -- name: relay_columns
 select count(*) from pg_attribute
@@ -395,3 +408,41 @@ select id::text, event_type, source, subject,
   from {table}
  where id = any(%(ids)s::text[]::uuid[])
  order by created_at, relay_seq;
+
+-- name: horizon_holders
+-- What holds the MVCC horizon back for this table, oldest first: sessions of this
+-- database (and walsenders, which have none: a standby's hot_standby_feedback),
+-- replication slots' xmin, and prepared transactions of this database. While one
+-- does, no vacuum may remove what the relay's marks and retention leave behind.
+-- A session of another role shows its state and transaction start only to a role
+-- with pg_read_all_stats (visible is false, and both are null, otherwise). A
+-- logical slot's catalog_xmin holds back the catalogs only, not this table.
+select kind, pid, name, state, xids, seconds, visible
+  from (select 'session' as kind, pid, application_name as name, state,
+               greatest(age(backend_xmin), age(backend_xid)) as xids,
+               extract(epoch from clock_timestamp() - xact_start)::float8 as seconds,
+               state is not null as visible
+          from pg_stat_activity
+         where (backend_xmin is not null or backend_xid is not null)
+           and pid <> pg_backend_pid()
+           and (datname = current_database() or datid is null)
+        union all
+        select 'replication slot', active_pid, slot_name,
+               case when active then 'active' else 'inactive' end, age(xmin), null, true
+          from pg_replication_slots
+         where xmin is not null
+        union all
+        select 'prepared transaction', null, gid, 'prepared', age(transaction),
+               extract(epoch from clock_timestamp() - prepared)::float8, true
+          from pg_prepared_xacts
+         where database = current_database()) holders
+ order by xids desc
+ limit %(limit)s;
+
+-- name: table_health
+-- The table's dead tuples (the statistics' estimate), its size with its indexes
+-- and TOAST, and the next transaction id to be used (for relay/horizon.py's clock).
+select coalesce((select n_dead_tup from pg_stat_user_tables
+                  where relid = %(table)s::regclass), 0),
+       pg_total_relation_size(%(table)s::regclass),
+       pg_snapshot_xmax(pg_current_snapshot())::text::bigint;

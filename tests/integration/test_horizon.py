@@ -17,13 +17,15 @@ from typing import Any
 import psycopg
 import pytest
 
+from relay import backlog
 from relay.claimstart import FROM_FIRST_ENTRY, LATE_INSERT_SECONDS, ClaimStart, StartKey
 from relay.config import Config
-from relay.database import POOLED_CONNECTION, Transaction
+from relay.database import POOLED_CONNECTION, Database, Transaction
 from relay.marks import FailureMark, Marks
 from relay.model import OutboxRow
 from relay.sqlfiles import Names, claim_parameters, query
 from tests.support import database
+from tests.support.database import Event
 from tests.support.relayproc import wait_until
 
 pytestmark = pytest.mark.integration
@@ -98,13 +100,21 @@ def wait_out_the_late_insert_slack(url: str) -> None:
     )
 
 
+def relay_session(url: str) -> psycopg.Connection[Any]:
+    """A connection with the relay's session settings (its planner settings too)."""
+    conn = psycopg.connect(url)
+    for name, value in Database(Config(database_url=url)).session_settings.items():
+        conn.execute("select set_config(%s, %s, false)", (name, value))
+    conn.commit()
+    return conn
+
+
 def claim_index_entries(url: str, start: StartKey) -> int:
     """Entries of the claim index one claim of BATCH rows reads (it visits the heap
     for each: a dead entry costs as much as a live one), counted by the server for
     this transaction, which is rolled back. Buffers would undercount: consecutive
     entries on one heap page touch its buffer once."""
-    with psycopg.connect(url) as conn:
-        conn.execute("set enable_bitmapscan = off")
+    with relay_session(url) as conn:
         conn.execute(query(NAMES, "claim"), claim_parameters(BATCH, 20, start)).fetchall()
         [(read,)] = conn.execute(
             "select pg_stat_get_xact_tuples_returned('outbox_events_relay_claim_idx'::regclass)"
@@ -226,3 +236,86 @@ def test_a_requeued_row_is_claimed_before_the_rows_it_held_back(db_url):
         assert await claims.drain() == [dead, *held]
 
     run(db_url, test)
+
+
+def test_a_held_horizon_is_reported_by_the_gauges_and_named_by_status(db_url, stream, start_relay):
+    relay = start_relay(gauge_interval="200ms")
+    with psycopg.connect(db_url, application_name="nightly-report") as reporting:
+        reporting.execute("set transaction isolation level repeatable read")
+        reporting.execute("select count(*) from outbox_events").fetchall()
+        database.insert(db_url, [Event(stream.subject("a"), "e1") for _ in range(50)])
+        wait_until(lambda: relay.metric("outbox_relay_horizon_transactions") > 0)
+        wait_until(lambda: relay.metric("outbox_relay_horizon_age_seconds") >= 1.0)
+        assert relay.metric("outbox_relay_table_bytes") > 0
+        [(pid,)] = database.fetch(
+            db_url, "select pid from pg_stat_activity where application_name = 'nightly-report'"
+        )
+        status = backlog.read_status(db_url, Config())
+        [held] = [h for h in status.horizon.holders if h.pid == pid]
+        assert held.visible
+        assert held.state == "idle in transaction"
+        lines = "\n".join(backlog.render_horizon(status.horizon, shown_from=0.0))
+        assert f"by session 'nightly-report' (pid {pid}, idle in transaction)" in lines
+        reporting.rollback()
+    wait_until(lambda: relay.metric("outbox_relay_horizon_transactions") == 0)
+
+
+def test_status_names_a_holder_it_may_not_see_and_the_grant_that_would_show_it(db_url):
+    role = f"outbox_status_{uuid.uuid4().hex[:8]}"
+    database.execute(db_url, f'create role "{role}" login')
+    database.execute(db_url, f'grant select on outbox_events to "{role}"')
+    try:
+        with psycopg.connect(db_url, application_name="nightly-report") as reporting:
+            reporting.execute("set transaction isolation level repeatable read")
+            reporting.execute("select count(*) from outbox_events").fetchall()
+            url = db_url.replace("postgresql://postgres@", f"postgresql://{role}@", 1)
+            status = backlog.read_status(url, Config())
+            [held] = [h for h in status.horizon.holders if h.name == "nightly-report"]
+            assert not held.visible
+            lines = "\n".join(backlog.render_horizon(status.horizon))
+            assert "hidden from this role (grant it pg_read_all_stats" in lines
+            reporting.rollback()
+    finally:
+        database.execute(db_url, f'drop owned by "{role}"')
+        database.execute(db_url, f'drop role "{role}"')
+
+
+def test_retention_walks_on_from_its_last_row_past_the_dead_entries_it_left(db_url):
+    # 50,000 spent rows, deleted 1,000 a statement while the horizon is held: each
+    # delete leaves a dead entry at the head of the published_at index. Walking on
+    # from the last row deleted, every statement reads about its batch; from the
+    # first entry, the last one read every entry the others left.
+    database.execute(
+        db_url,
+        """insert into outbox_events (id, event_type, source, subject, time, data, published_at)
+           select gen_random_uuid(), 'a.b', 's', 'e', now(), '{}',
+                  now() - interval '1 day' + g * interval '1 ms'
+             from generate_series(1, 50000) g""",
+    )
+    index = "outbox_events_relay_published_idx"
+
+    def delete(after: str) -> tuple[int, str | None, int]:
+        with relay_session(db_url) as conn:
+            count, last = conn.execute(
+                query(NAMES, "delete_spent"),
+                {"retention": 3600, "batch_size": 1000, "after": after},
+            ).fetchone()
+            [(read,)] = conn.execute(
+                "select pg_stat_get_xact_tuples_returned(%s::regclass)", (index,)
+            ).fetchall()
+            conn.commit()
+        return count, last, int(read)
+
+    with psycopg.connect(db_url) as reporting:
+        reporting.execute("set transaction isolation level repeatable read")
+        reporting.execute("select count(*) from outbox_events").fetchall()
+        after = "-infinity"
+        for _ in range(49):
+            count, last, read = delete(after)
+            assert count == 1000
+            assert read <= 1001, read
+            after = last
+        count, _, read = delete("-infinity")
+        assert count == 1000
+        assert read >= 49000, read  # what every statement read, walking from the first
+        reporting.rollback()
