@@ -1,9 +1,10 @@
 """`outbox-relay run`: one trio nursery holding every task of the relay.
 
 Tasks: the signal watcher, the metrics/health server, the NATS connector, the
-LISTEN task, the fallback poll timer, the scheduler loop, the table gauges and
-retention. Shutdown goes through trio: SIGTERM or SIGINT stops claiming, lets
-the batch in flight finish inside the publish timeout, then cancels the rest.
+LISTEN task, the fallback poll timer, the scheduler loop, the table gauges,
+retention, and the audit of the streams (with --audit-interval). Shutdown goes
+through trio: SIGTERM or SIGINT stops claiming, lets the batch in flight finish
+inside the publish timeout, then cancels the rest.
 """
 
 from __future__ import annotations
@@ -134,7 +135,9 @@ class Relay:
     async def _connect_broker(self) -> None:
         await retry(
             self.broker.connect,
-            failures=(Exception,),
+            # Only the server's unavailability is waited out; anything else is a bug,
+            # and crashes the relay with its traceback for its supervisor to restart.
+            failures=(BrokerUnavailable,),
             backoff=ReconnectBackoff(initial=0.2, cap=10.0),
         )
         await self._check_duplicate_windows()

@@ -3,8 +3,9 @@ commit.
 
 The scheduler (trio) decides when a batch runs and how long it may take; the batch
 itself is a single call through :func:`relay.aio.call`. It awaits only the asyncio
-halves of the two doors (:class:`relay.database.Transaction`,
-:meth:`relay.broker.Broker.publish_wave`) and calls only pure decisions.
+halves of the two doors (:class:`relay.database.Transaction` and
+:class:`relay.broker.Broker`: its publish modes, waves and batches) and calls only
+pure decisions.
 
 Why one crossing and not one per statement: each crossing between trio and asyncio
 that waits on I/O costs wall time, and at light load a batch that crossed per
@@ -33,7 +34,7 @@ from relay.marks import Marks, decide_marks
 from relay.model import Failed, FailureReason, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
-from relay.streams import ATOMIC_BATCH_LIMIT, MIN_BATCH_MESSAGES, PublishMode
+from relay.streams import ATOMIC_BATCH_LIMIT, ATOMIC_HEADER_BYTES, MIN_BATCH_MESSAGES, PublishMode
 
 
 @dataclass(frozen=True)
@@ -53,15 +54,18 @@ class BatchOutcome:
 
 
 def split_by_publish_mode(
-    rows: Sequence[OutboxRow], plan: Mapping[str, tuple[PublishMode, str]]
+    rows: Sequence[OutboxRow],
+    plan: Mapping[str, tuple[PublishMode, str]],
+    alone: Set[str] = frozenset(),
 ) -> tuple[list[OutboxRow], list[tuple[PublishMode, list[OutboxRow]]]]:
     """The rows to publish one message each, and per stream the rows to publish as
     batches (in ``plan``'s mode for the event type: the NATS subject). Order is kept
     per row subject, which may span event types and so streams: a row subject with
-    rows in two streams, or in a stream published per message, goes one message
-    each, whose waves keep its order across streams. Each list keeps ``rows``' order."""
+    rows in two streams, or in a stream published per message, or in ``alone`` (a
+    row of it does not fit in a batch), goes one message each, whose waves keep its
+    order across streams. Each list keeps ``rows``' order."""
     targets = set(plan.values())
-    if len(targets) == 1:  # one stream, the common case: no row subject spans two
+    if len(targets) == 1 and not alone:  # one stream: no row subject spans two
         [(mode, _)] = targets
         if mode is PublishMode.MESSAGE or len(rows) < MIN_BATCH_MESSAGES:
             return list(rows), []
@@ -73,7 +77,11 @@ def split_by_publish_mode(
     one_by_one: list[OutboxRow] = []
     for row in rows:
         target = plan[row.event_type]
-        if target[0] is PublishMode.MESSAGE or len(streams_of[row.subject]) > 1:
+        if (
+            target[0] is PublishMode.MESSAGE
+            or len(streams_of[row.subject]) > 1
+            or row.subject in alone
+        ):
             one_by_one.append(row)
         else:
             groups.setdefault(target, []).append(row)
@@ -243,8 +251,14 @@ class Batch:
         later = [r for r in rows if r.subject in waiting]
         if later:
             # Each earlier batch settles within its own publish timeout, which began
-            # before ours.
-            unsettled = frozenset().union(*[await f.unsettled for f in earlier])
+            # before ours; waiting is bounded by ours all the same (a publish that
+            # overran its budget). An earlier batch not settled by then holds back
+            # every subject it has.
+            flights = [f.unsettled for f in earlier]
+            await asyncio.wait(flights, timeout=max(0.0, deadline - loop.time()))
+            unsettled = frozenset().union(
+                *(f.unsettled.result() if f.unsettled.done() else f.subjects for f in earlier)
+            )
             results.update(
                 await self._publish([r for r in later if r.subject not in unsettled], deadline)
             )
@@ -276,7 +290,15 @@ class Batch:
         if not sendable:
             return results
         plan = await self._broker.publish_modes({row.event_type for row in sendable})
-        one_by_one, batched = split_by_publish_mode(sendable, plan)
+        # A message that fits alone but not with an atomic batch's headers goes on its
+        # own, and so do the other rows of its subject (their order).
+        alone = {
+            row.subject
+            for row in sendable
+            if plan[row.event_type][0] is PublishMode.ATOMIC
+            and messages[row.id].wire_size + ATOMIC_HEADER_BYTES > max_payload
+        }
+        one_by_one, batched = split_by_publish_mode(sendable, plan, alone)
         # No row subject spans two of these, so they go at once, in any order.
         for found in await asyncio.gather(
             self._publish_waves(one_by_one, messages, deadline),

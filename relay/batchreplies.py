@@ -26,7 +26,6 @@ BATCH_LEVEL_ERRORS = frozenset({
     10205, 10206, 10207, 10208,  # fast
     10210, 10211,  # too many batches in flight
 })  # fmt: skip
-DUPLICATE_IN_ATOMIC_BATCH = 10201
 
 # The ack frequency a fast batch asks for (the server may lower it, never raise it),
 # and how many of those acks may be outstanding before the sender waits: two keep
@@ -47,7 +46,6 @@ class Reply:
     seq: int = 0  # "flow": persisted up to here
     ack_every: int = 0  # "flow": the server acks every this many messages
     count: int = 0  # "puback": messages of the batch that count as stored
-    duplicate: bool = False
     err_code: int | None = None
     failure: Failed | None = None
 
@@ -65,7 +63,7 @@ def decode(  # noqa: PLR0911 - one return per kind of reply
     except ValueError:
         reply = None
     if not isinstance(reply, dict):
-        unreadable = Failed(FailureReason.OTHER, f"unexpected batch reply {data[:200]!r}")
+        unreadable = Failed(FailureReason.RELAY_ERROR, f"unexpected batch reply {data[:200]!r}")
         return Reply("error", failure=unreadable)
     kind = reply.get("type")
     if kind == "ack":
@@ -74,19 +72,26 @@ def decode(  # noqa: PLR0911 - one return per kind of reply
         return Reply("gap")
     error = reply.get("error")
     if isinstance(error, dict):  # a plain error, or (newer servers) {"type":"err","seq":N,...}
-        code, err_code = error.get("code"), error.get("err_code")
-        err_code = err_code if isinstance(err_code, int) else None
-        failure = classify_error(
-            code if isinstance(code, int) else None,
-            err_code,
-            str(error.get("description", error)),
-        )
+        err_code, failure = error_failure(error, classify_error)
         return Reply("error", err_code=err_code, failure=failure)
     if "batch" in reply:
-        return Reply(
-            "puback", count=_int(reply.get("count")), duplicate=bool(reply.get("duplicate"))
-        )
-    return Reply("error", failure=Failed(FailureReason.OTHER, f"not a batch reply {data[:200]!r}"))
+        # A batch's PubAck says nothing of duplicates per message (a fast batch skips
+        # one silently; an atomic batch is turned down whole, 10201): batch modes
+        # count no duplicate acks.
+        return Reply("puback", count=_int(reply.get("count")))
+    return Reply(
+        "error", failure=Failed(FailureReason.RELAY_ERROR, f"not a batch reply {data[:200]!r}")
+    )
+
+
+def error_failure(
+    error: dict[str, object], classify_error: ApiErrorClassifier
+) -> tuple[int | None, Failed]:
+    """A JetStream reply's ``error`` object: its err_code and the failure it stands for."""
+    code, err_code = error.get("code"), error.get("err_code")
+    err_code = err_code if isinstance(err_code, int) else None
+    description = str(error.get("description", error))
+    return err_code, classify_error(code if isinstance(code, int) else None, err_code, description)
 
 
 def decode_failure(failure: Failed) -> Reply:
@@ -148,6 +153,8 @@ class FastBatch:
                 self.batch_refused = reply
             elif reply.failure.reason.broker_fault or reply.err_code in BATCH_LEVEL_ERRORS:
                 self.broker_failure = reply.failure
+            elif seq <= self.persisted:
+                pass  # stale: a flow ack already said this message is stored
             elif self.refused_at is None:
                 self.refused_at = (seq, reply.failure)
                 if seq == 1:
@@ -209,6 +216,14 @@ class AtomicBatch:
 
     def results(self, unanswered: Failed) -> Sequence[PublishResult]:
         if self.committed is not None:
+            if self.committed.count != self.count:
+                # All or nothing, and the server says neither: the relay cannot tell
+                # which rows are stored, so none is marked; the republish dedupes.
+                odd = Failed(
+                    FailureReason.RELAY_ERROR,
+                    f"an atomic batch of {self.count} committed {self.committed.count}",
+                )
+                return [odd] * self.count
             return [_ACKED] * self.count
         failure = self.error.failure if self.error and self.error.failure else unanswered
         return [failure] * self.count

@@ -1,4 +1,6 @@
-"""The only door to NATS: connect, and publish a wave of messages pipelined.
+"""The relay's door to NATS for publishing: connect, publish a wave of messages
+pipelined or a batch, read the streams' publish modes. (The audit reads the streams
+through its own connection: relay/audit.py.)
 
 nats-py errors are translated here into :class:`~relay.model.Failed` values
 (one per message) or :class:`~relay.errors.BrokerUnavailable`.
@@ -33,12 +35,15 @@ from relay.batchreplies import (
     Reply,
     decode,
     decode_failure,
+    error_failure,
 )
 from relay.config import Config, redact_nats_url
 from relay.envelope import Message
 from relay.errors import BrokerUnavailable
 from relay.model import Acked, Failed, FailureReason, PublishResult
-from relay.streams import PublishMode, StreamModes, choose_mode, stream_for
+from relay.natsinternals import check as check_nats_internals
+from relay.natsinternals import queue_frames, send_queued
+from relay.streams import PublishMode, StreamModes, choose_mode, describe_modes, stream_for
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,9 @@ def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, o
         return Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
     if isinstance(exc, nats.js.errors.APIError):
         return api_error(exc.code, exc.err_code, exc.description or str(exc))
-    return Failed(FailureReason.OTHER, f"{exc.__class__.__name__}: {exc}")
+    # Not the row's: a bug of the relay's or of nats-py's. Its traceback is the lead.
+    log.error("unexpected error publishing a message", exc_info=exc)
+    return Failed(FailureReason.RELAY_ERROR, f"{exc.__class__.__name__}: {exc}")
 
 
 NO_STREAM = Failed(FailureReason.NO_STREAM, "no stream captures the subject")
@@ -140,43 +147,17 @@ def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind
     try:
         reply = json.loads(msg.data)
     except ValueError:
-        return Failed(FailureReason.OTHER, f"unreadable JetStream reply: {msg.data[:200]!r}")
+        return Failed(FailureReason.RELAY_ERROR, f"unreadable JetStream reply: {msg.data[:200]!r}")
     if not isinstance(reply, dict):
-        return Failed(FailureReason.OTHER, f"unexpected JetStream reply: {msg.data[:200]!r}")
+        return Failed(FailureReason.RELAY_ERROR, f"unexpected JetStream reply: {msg.data[:200]!r}")
     error = reply.get("error")
     if isinstance(error, dict):
-        code, err_code = error.get("code"), error.get("err_code")
-        return api_error(
-            code if isinstance(code, int) else None,
-            err_code if isinstance(err_code, int) else None,
-            str(error.get("description", error)),
-        )
+        return error_failure(error, api_error)[1]
     if error is not None:
         return Failed(FailureReason.REFUSED, f"JetStream refused the message: {error}")
     if "stream" not in reply:
-        return Failed(FailureReason.OTHER, f"not a PubAck: {msg.data[:200]!r}")
+        return Failed(FailureReason.RELAY_ERROR, f"not a PubAck: {msg.data[:200]!r}")
     return Acked(duplicate=bool(reply.get("duplicate", False)))
-
-
-def send_queued(nc: Client) -> None:
-    """Hand the messages nats-py has queued to the socket now, in this task.
-
-    nats-py queues every PUB and leaves the write to its flusher task, whose turn
-    under trio-asyncio comes a good part of a light-load commit-to-broker time later
-    (docs/performance.md). This does what the flusher would, short of waiting for
-    the socket to drain (nats-py keeps its queue under max_pending_size by flushing
-    through the flusher, which does wait); the flusher then finds nothing to write.
-    It reads nats-py's private attributes: if a release renames them, nothing is
-    written here and the flusher writes as before (a test checks they are still
-    there).
-    """
-    pending = getattr(nc, "_pending", None)
-    transport = getattr(nc, "_transport", None)
-    if not pending or transport is None or not nc.is_connected:
-        return
-    transport.writelines(pending)
-    nc._pending = []
-    nc._pending_data_size = 0
 
 
 def hpub_frame(subject: str, reply: str, headers: Mapping[str, str], body: bytes) -> bytes:
@@ -193,18 +174,6 @@ def hpub_frame(subject: str, reply: str, headers: Mapping[str, str], body: bytes
         else (f"HPUB {subject} {size} {size + len(body)}\r\n")
     )
     return command.encode() + block + body + b"\r\n"
-
-
-def queue_frames(nc: Client, frames: list[bytes]) -> bool:
-    """Queue protocol frames on nats-py's write buffer, for :func:`send_queued`;
-    False (nothing queued) when not connected. Reads nats-py's private write queue,
-    as send_queued does."""
-    pending = getattr(nc, "_pending", None)
-    if pending is None or not nc.is_connected:
-        return False
-    pending.extend(frames)
-    nc._pending_data_size += sum(map(len, frames))
-    return True
 
 
 class _Wave:
@@ -407,6 +376,7 @@ class Broker:
         self._streams: list[StreamModes] = []
         self._modes: dict[str, PublishMode] = {}
         self._streams_due = 0.0  # loop time of the next read of the streams' modes
+        self._streams_reading: asyncio.Task[None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -463,9 +433,10 @@ class Broker:
                 closed_cb=closed,
                 **self._auth_options,
             )
-        except Exception as exc:
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
             servers = ", ".join(redact_nats_url(u) for u in self._urls)
             raise BrokerUnavailable(f"cannot connect to NATS at {servers}: {exc}") from exc
+        check_nats_internals(self._nc)
         self._js = self._nc.jetstream()
         self._on_change(True)
 
@@ -500,12 +471,16 @@ class Broker:
 
     async def publish_modes(self, subjects: Iterable[str]) -> dict[str, tuple[PublishMode, str]]:
         """asyncio side: for each subject, the mode to publish it with and the stream
-        that captures it ("" for none). The streams' configuration is read at most
-        every STREAM_MODES_TTL seconds, within STREAM_MODES_READ_TIMEOUT; until the
-        first read succeeds, every subject goes per message."""
+        that captures it ("" for none), from what was last read of the streams. Once
+        that is STREAM_MODES_TTL seconds old, it is read again beside the batch, not
+        in its way: a batch holds its row locks, and a read can take up to
+        STREAM_MODES_READ_TIMEOUT. Until the first read succeeds, every subject goes
+        per message."""
         loop = asyncio.get_running_loop()
-        if loop.time() >= self._streams_due:
-            await self._read_stream_modes(loop)
+        if loop.time() >= self._streams_due and (
+            self._streams_reading is None or self._streams_reading.done()
+        ):
+            self._streams_reading = loop.create_task(self._read_stream_modes(loop))
         version = self.server_version
         plan: dict[str, tuple[PublishMode, str]] = {}
         for subject in subjects:
@@ -530,7 +505,7 @@ class Broker:
         try:
             configs = await asyncio.wait_for(self._stream_configs(), STREAM_MODES_READ_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - keep what was known, try again soon
-            log.debug("could not read the streams' publish modes: %s", exc)
+            log.warning("could not read the streams' publish modes: %s", exc)
             self._streams_due = loop.time() + STREAM_MODES_RETRY
             return
         self._streams_due = loop.time() + STREAM_MODES_TTL
@@ -552,8 +527,7 @@ class Broker:
                 "publish modes (server %s, --publish-mode %s): %s",
                 ".".join(map(str, version)),
                 self._publish_mode,
-                ", ".join(f"{name}: {mode}" for name, mode in sorted(modes.items()))
-                or "no streams",
+                describe_modes(modes),
             )
             for stream in self._streams:
                 if stream.allow_batched and not stream.fast_batches_safe:
@@ -605,11 +579,7 @@ class Broker:
             return await self._confirm_no_stream(
                 messages, cast("list[PublishResult]", wave.results), deadline
             )
-        missing = (
-            Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
-            if self.connected
-            else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
-        )
+        missing = self._unanswered()
         results = [missing if result is None else result for result in wave.results]
         return await self._confirm_no_stream(messages, results, deadline)
 
@@ -671,11 +641,7 @@ class Broker:
         if isinstance(state, AtomicBatch) and state.send_per_message:
             self._turned_down(mode, state.error.failure if state.error else None)
             return None
-        unanswered = (
-            Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
-            if self.connected
-            else Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
-        )
+        unanswered = self._unanswered()
         results = list(state.results(unanswered))
         self._on_batch(mode, batch_outcome(results))
         if any(isinstance(r, Failed) and r.reason is FailureReason.NO_RESPONDERS for r in results):
@@ -685,6 +651,12 @@ class Broker:
             )
             results = [None if r is None else next(confirmed) for r in results]
         return results
+
+    def _unanswered(self) -> Failed:
+        """A sent message whose ack did not come: the broker's failure, either way."""
+        if self.connected:
+            return Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
+        return Failed(FailureReason.DISCONNECTED, "connection lost before the ack")
 
     def _turned_down(self, mode: PublishMode, failure: Failed | None) -> None:
         log.info(

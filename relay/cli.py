@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -191,6 +192,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--nats-url", help="a NATS server to use instead of a throwaway one")
     bench.add_argument("--quick", action="store_true", help="a few seconds, tiny sizes (CI)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    bench.add_argument(
+        "--soak",
+        action="store_true",
+        help="instead: sustained load while a snapshot holds the vacuum horizon, "
+        "p50/p99 per window before, during and after (about 8 minutes)",
+    )
+    bench.add_argument(
+        "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
+    )
+    bench.add_argument(
+        "--rate", type=float, metavar="N", help="with --soak: events/s (default 1500)"
+    )
     demo = commands.add_parser(
         "demo",
         help="see it work: throwaway servers, a producer, the relay and a consumer",
@@ -305,6 +318,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     setup_logging("warning", "text")
     try:
+        if args.soak:
+            from relay_tools.bench import soak  # noqa: PLC0415
+
+            plan = soak.SoakPlan.quick() if args.quick else soak.SoakPlan()
+            if args.hold is not None:
+                plan = dataclasses.replace(plan, hold=args.hold)
+            if args.rate is not None:
+                plan = dataclasses.replace(plan, rate=args.rate)
+            return soak.main(args.database_url, args.nats_url, plan, args.json)
         return bench_main(args.database_url, args.nats_url, args.quick, args.json)
     except MissingServerBinary as exc:
         print(f"outbox-relay bench: {exc}", file=sys.stderr)

@@ -22,7 +22,8 @@ ENV_PREFIX = "OUTBOX_RELAY_"
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+# No "$": the names land inside the $$-quoted bodies of sql/install, where "$$" ends one.
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
 def parse_duration(text: str) -> float:
@@ -37,7 +38,10 @@ def parse_table_name(text: str) -> tuple[str, ...]:
     """``"outbox_events"`` or ``"schema.outbox_events"`` as identifier parts."""
     parts = tuple(text.split("."))
     if len(parts) > 2 or not all(_IDENTIFIER.match(part) for part in parts):
-        raise ValueError(f"not a table name: {text!r} (use name or schema.name)")
+        raise ValueError(
+            f"not a table name: {text!r} (use name or schema.name: letters, digits and _, "
+            "at most 63 each)"
+        )
     return parts
 
 
@@ -69,17 +73,35 @@ def parse_nats_urls(text: str) -> tuple[str, ...]:
     return urls
 
 
+# libpq parameters whose values are secrets, in a URI's query or a key=value string.
+_SECRET_PARAMETERS = ("password", "sslpassword")
+_SECRET_KEYWORD = re.compile(
+    r"\b(" + "|".join(_SECRET_PARAMETERS) + r")\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE
+)
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced, safe for logs and error messages."""
+    """The URL (or libpq key=value string) with every secret replaced: a password in
+    the userinfo, and ``password`` or ``sslpassword`` among its parameters. Safe for
+    logs and error messages."""
+    if "://" not in url:
+        return _SECRET_KEYWORD.sub(r"\1=***", url)
     try:
         parsed = urllib.parse.urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
-    if parsed.password is None:
-        return url
-    netloc = parsed.netloc.rsplit("@", 1)[1]
-    user = parsed.username or ""
-    return urllib.parse.urlunsplit(parsed._replace(netloc=f"{user}:***@{netloc}"))
+    if parsed.password is not None:
+        netloc = parsed.netloc.rsplit("@", 1)[1]
+        parsed = parsed._replace(netloc=f"{parsed.username or ''}:***@{netloc}")
+    if parsed.query:
+        pairs = urllib.parse.parse_qsl(parsed.query, keep_blank_values=True)
+        query = "&".join(
+            f"{urllib.parse.quote(key)}="
+            + ("***" if key.lower() in _SECRET_PARAMETERS else urllib.parse.quote(value))
+            for key, value in pairs
+        )
+        parsed = parsed._replace(query=query)
+    return urllib.parse.urlunsplit(parsed)
 
 
 def redact_nats_url(url: str) -> str:
@@ -97,12 +119,14 @@ def redact_nats_url(url: str) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    database_url: str = "postgresql://localhost:5432/postgres"
+    # Secrets stay out of the repr (a traceback, a debug log): the URL may hold a
+    # password, the token is one.
+    database_url: str = field(default="postgresql://localhost:5432/postgres", repr=False)
     nats_urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
     # How the relay proves who it is to NATS, besides a user and password in the URL.
     nats_creds: str | None = None  # a credentials file: user JWT and NKey seed
     nats_nkey: str | None = None  # a file holding an NKey seed
-    nats_token: str | None = None
+    nats_token: str | None = field(default=None, repr=False)
     # TLS: the CA to verify the server by (the system's when unset), and a client
     # certificate and key for servers that verify clients.
     nats_tls_ca: str | None = None

@@ -1,6 +1,8 @@
-"""The only door to Postgres: claim, gate, mark, retention, install, status.
+"""The relay's door to Postgres: claim, gate, mark, retention, gauges, install.
 
-psycopg errors are translated here, once, into the relay's error tree.
+psycopg errors met here are translated, once, into the relay's error tree. (The
+operator commands, relay/backlog.py and relay/audit.py, and the LISTEN connection,
+relay/listen_connection.py, use psycopg themselves.)
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import weakref
 from collections.abc import AsyncIterator, Callable, Set
@@ -101,7 +104,9 @@ def connection_string(url: str) -> str:
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
-        raise SetupError(f"database URL cannot be parsed: {exc}") from None
+        # libpq quotes the token it stumbled on, which may be a password: not shown.
+        reason = re.sub(r'"[^"]*"', '"..."', first_line(exc))
+        raise SetupError(f"database URL cannot be parsed: {reason}") from None
     for key, value in _CONNECTION_DEFAULTS.items():
         params.setdefault(key, value)
     return make_conninfo(**{k: str(v) for k, v in params.items()})

@@ -79,9 +79,10 @@ def decide_marks(
 ) -> Marks:
     """Acked rows are published. A row that cannot be published as it is goes dead
     at once; a row the stream refused gets one more attempt and a retry delay, or
-    goes dead on its last attempt. A row that failed for the broker's reason keeps
-    its attempts: it waits (:func:`broker_fault_delay`), or, when the whole batch
-    was the broker's outage, is left exactly as it was. Rows without a result were
+    goes dead on its last attempt. A row that failed for the broker's reason, or for
+    the relay's own (unexpected) error, keeps its attempts: it waits
+    (:func:`broker_fault_delay`), or, when the whole batch was the broker's outage,
+    is left exactly as it was. Rows without a result were
     never sent and are left as they are. ``now`` is epoch seconds."""
     marks = Marks(broker_outage=broker_outage(results))
     for row_id, result in results.items():
@@ -90,11 +91,12 @@ def decide_marks(
             continue
         row = rows[row_id]
         error = f"{result.reason.value}: {result.detail}"[:1000]
-        if result.reason.broker_fault:
+        if result.reason.broker_fault or result.reason.relay_fault:
             if not marks.broker_outage:
                 delay = broker_fault_delay(now - row.created_at, backoff_base, backoff_max)
                 marks.failed.append(FailureMark(row_id, row.attempts, delay, error))
-                marks.broker_faults.append((row, result))
+                if result.reason.broker_fault:
+                    marks.broker_faults.append((row, result))
             continue
         attempts = max_attempts if result.reason.permanent else min(row.attempts + 1, max_attempts)
         if attempts >= max_attempts:

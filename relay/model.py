@@ -48,9 +48,11 @@ class FailureReason(enum.StrEnum):
     Each reason is the fault of one party. The row's (``permanent``): it can never
     be published as it is, and it goes dead at once. The broker's (``broker_fault``:
     NATS, JetStream or the stream's configuration): the row is retried later with
-    its attempts untouched, however long that takes. ``refused`` and ``other`` are
-    the rest: the stream turned this message down for a reason it gave, or something
-    unexpected happened; each counts as one attempt, up to the cap."""
+    its attempts untouched, however long that takes. The relay's (``relay_fault``:
+    something it did not expect, a bug of its own or of its client library, logged
+    with its traceback): the same, attempts untouched. ``refused`` is the rest: the
+    stream turned this message down for a reason it gave; it counts as one attempt,
+    up to the cap."""
 
     TIMEOUT = "timeout"
     DISCONNECTED = "disconnected"
@@ -62,7 +64,7 @@ class FailureReason(enum.StrEnum):
     INVALID_SUBJECT = "invalid_subject"
     INVALID_TIME = "invalid_time"
     REFUSED = "refused"
-    OTHER = "other"
+    RELAY_ERROR = "relay_error"  # unexpected: the relay's, or its client library's
 
     @property
     def permanent(self) -> bool:
@@ -74,6 +76,11 @@ class FailureReason(enum.StrEnum):
     def broker_fault(self) -> bool:
         """The broker failed, not the row: the row never moves toward the cap for it."""
         return self in _BROKER_FAULTS
+
+    @property
+    def relay_fault(self) -> bool:
+        """Something the relay did not expect: not the row's either."""
+        return self is FailureReason.RELAY_ERROR
 
 
 _PERMANENT = frozenset(

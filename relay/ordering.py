@@ -66,9 +66,6 @@ class SubjectQueues:
         """Drop ``subject``'s remaining rows from this batch and return them."""
         return list(self._queues.pop(subject, ()))
 
-    def remaining(self) -> list[OutboxRow]:
-        return [row for queue in self._queues.values() for row in queue]
-
     def __bool__(self) -> bool:
         return bool(self._queues)
 

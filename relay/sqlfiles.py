@@ -18,6 +18,7 @@ from psycopg import sql
 
 from relay.claimstart import LATE_INSERT_SECONDS, StartKey
 from relay.config import Config
+from relay.errors import ConfigError
 
 _BLOCK = re.compile(r"^-- (name|fragment): (\w+)\s*$", re.MULTILINE)
 # A fragment used in a query: {fragment(alias)}, the fragment's {row} being alias.
@@ -128,6 +129,11 @@ class Names:
 
     @classmethod
     def for_config(cls, config: Config) -> Names:
+        if any("$" in part for part in (*config.table, config.channel)):
+            # They are composed into $$-quoted bodies (sql/install), which "$$" ends.
+            raise ConfigError(
+                "--table/--channel", f"'$' in a name ({config.table_display}, {config.channel})"
+            )
         schema = config.table[:-1]
         base = config.table_name
         return cls(

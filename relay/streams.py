@@ -47,6 +47,18 @@ MIN_BATCH_MESSAGES = 2
 # Atomic batches: the server's default limit of messages per batch.
 ATOMIC_BATCH_LIMIT = 1000
 
+# The most bytes an atomic batch's headers add to a message (Nats-Batch-Id, a uuid's
+# 32 hex digits; Nats-Batch-Sequence, up to the limit; Nats-Batch-Commit on the
+# last), each "Key: Value\r\n": what the server counts against max_payload.
+ATOMIC_HEADER_BYTES = sum(
+    len(key) + len(value) + 4
+    for key, value in (
+        ("Nats-Batch-Id", "0" * 32),
+        ("Nats-Batch-Sequence", str(ATOMIC_BATCH_LIMIT)),
+        ("Nats-Batch-Commit", "1"),
+    )
+)
+
 
 @dataclass(frozen=True)
 class StreamModes:

@@ -248,7 +248,14 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
             await conn.execute(SCHEMA)
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await js.add_stream(name=names.stream, subjects=[names.subjects])
+        # Ids kept as long as a retried row can take to come back (--backoff-max plus
+        # --publish-timeout), as the README asks of a stream: the relay checks it.
+        defaults = Config()
+        await js.add_stream(
+            name=names.stream,
+            subjects=[names.subjects],
+            duplicate_window=defaults.backoff_max + defaults.publish_timeout + 60.0,
+        )
         relay = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "relay", "run",
             env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": database_url,

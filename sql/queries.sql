@@ -24,6 +24,19 @@ and not exists (
          and (b.created_at, b.relay_seq) < ({row}.created_at, {row}.relay_seq)
       offset 0)
 
+-- fragment: dead
+-- A row the relay gave up on ({row} is its alias): at the attempt cap, or marked
+-- dead (a reason inside the row). Skipped rows are dead too; callers that count
+-- them apart say "relay_skipped_at is null" beside it.
+({row}.attempts >= %(max_attempts)s or {row}.relay_dead_at is not null)
+
+-- fragment: rfc3339_time
+-- The envelope's time ({row} is its alias) as RFC 3339 text in UTC, or null where
+-- RFC 3339 cannot write it (infinite, or outside years 1-9999).
+case when {row}.time >= '0001-01-01 00:00:00+00' and {row}.time < '10000-01-01 00:00:00+00'
+     then to_char({row}.time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+end
+
 -- name: claim
 -- The next batch, in (created_at, relay_seq) order, the claim index's:
 --   walk_from where this claim's walks start: the earliest of the relay's start
@@ -100,10 +113,7 @@ horizon as materialized (
    limit 1
 ),
 claimed as materialized (
-  select o.id, o.event_type, o.source, o.subject,
-         case when o.time >= '0001-01-01 00:00:00+00' and o.time < '10000-01-01 00:00:00+00'
-              then to_char(o.time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-         end as time,
+  select o.id, o.event_type, o.source, o.subject, {rfc3339_time(o)} as time,
          o.data::text as data, o.created_at, o.relay_seq, o.attempts
     from {table} o
    where {claimable(o)}
@@ -239,39 +249,30 @@ select count(*) from pg_trigger
 -- heap tuples), so it costs the backlog, not the table.
 -- A skipped row is not dead: an operator let it go.
 select count(*) as unpublished,
-       count(*) filter (where (attempts >= %(max_attempts)s or relay_dead_at is not null)
-                          and relay_skipped_at is null)
-         as dead,
-       count(*) filter (where relay_skipped_at is not null) as skipped,
-       count(distinct subject) filter (where (attempts >= %(max_attempts)s
-                                              or relay_dead_at is not null)
-                                         and relay_skipped_at is null)
+       count(*) filter (where {dead(u)} and u.relay_skipped_at is null) as dead,
+       count(*) filter (where u.relay_skipped_at is not null) as skipped,
+       count(distinct u.subject) filter (where {dead(u)} and u.relay_skipped_at is null)
          as held_subjects,
        coalesce(extract(epoch from clock_timestamp()
-                - min(created_at) filter (where attempts < %(max_attempts)s
-                                            and relay_dead_at is null)), 0)::float8
+                - min(u.created_at) filter (where not {dead(u)})), 0)::float8
          as oldest_age_seconds
-  from {table}
- where published_at is null;
+  from {table} u
+ where u.published_at is null;
 
 -- name: status
 -- `outbox-relay status`: the backlog per event_type, from the partial index.
 select event_type,
        count(*) as unpublished,
-       count(*) filter (where (attempts >= %(max_attempts)s or relay_dead_at is not null)
-                          and relay_skipped_at is null)
-         as dead,
-       count(*) filter (where relay_skipped_at is not null) as skipped,
-       count(*) filter (where attempts < %(max_attempts)s and relay_dead_at is null
-                          and relay_retry_at > now())
-         as backing_off,
+       count(*) filter (where {dead(u)} and u.relay_skipped_at is null) as dead,
+       count(*) filter (where u.relay_skipped_at is not null) as skipped,
+       count(*) filter (where not {dead(u)} and u.relay_retry_at > now()) as backing_off,
        coalesce(extract(epoch from clock_timestamp() - min(created_at)), 0)::float8
          as oldest_age_seconds,
        max(attempts) as max_attempts,
        (array_agg(relay_last_error order by created_at)
           filter (where relay_last_error is not null))[1] as last_error
-  from {table}
- where published_at is null
+  from {table} u
+ where u.published_at is null
  group by event_type
  order by oldest_age_seconds desc, event_type;
 
@@ -283,15 +284,14 @@ with dead as (
   select subject, count(*) as dead, min(created_at) as since,
          (array_agg(id order by created_at, relay_seq))[1] as first_dead,
          (array_agg(relay_last_error order by created_at, relay_seq))[1] as error
-    from {table}
-   where published_at is null and relay_skipped_at is null
-     and (attempts >= %(max_attempts)s or relay_dead_at is not null)
+    from {table} u
+   where u.published_at is null and u.relay_skipped_at is null and {dead(u)}
    group by subject
 )
 select d.subject, d.dead,
        (select count(*) from {table} w
-         where w.subject = d.subject and w.published_at is null
-           and w.attempts < %(max_attempts)s and w.relay_dead_at is null) as waiting,
+         where w.subject = d.subject and w.published_at is null and not {dead(w)})
+         as waiting,
        d.first_dead, d.error
   from dead d
  order by d.since, d.subject
@@ -301,12 +301,11 @@ select d.subject, d.dead,
 -- Rows `outbox-relay requeue` would reset: unpublished, and dead or chosen by id.
 -- A skipped row comes back only by its id: skipping it was an operator's decision.
 select id, event_type, attempts, relay_last_error, relay_skipped_at is not null as skipped
-  from {table}
+  from {table} u
  where published_at is null
    and (attempts > 0 or relay_retry_at is not null or relay_dead_at is not null)
    and (   id = any(%(ids)s)
-        or (relay_skipped_at is null
-            and (attempts >= %(max_attempts)s or relay_dead_at is not null)
+        or (relay_skipped_at is null and {dead(u)}
             and (%(all_dead)s or event_type = any(%(event_types)s))))
  order by created_at, relay_seq
    for update;
@@ -322,9 +321,8 @@ update {table}
 -- name: skip_select
 -- Rows `outbox-relay skip` would let go: unpublished and not skipped yet. Waits for
 -- a batch in flight that holds one (it may be publishing it right now).
-select id, event_type, subject, attempts, relay_last_error,
-       relay_dead_at is not null or attempts >= %(max_attempts)s as dead
-  from {table}
+select id, event_type, subject, attempts, relay_last_error, {dead(u)} as dead
+  from {table} u
  where id = any(%(ids)s) and published_at is null and relay_skipped_at is null
  order by created_at, relay_seq
    for update;
@@ -343,11 +341,11 @@ update {table}
 -- without relay_dead_at (left by a relay from before it, set by hand, or under a
 -- lower --max-attempts) leave the claim index, and dead rows of an earlier version
 -- (relay_retry_at null) now hold their subject. Reads the unpublished rows once.
-update {table}
+update {table} u
    set relay_dead_at = coalesce(relay_dead_at, clock_timestamp()), relay_retry_at = 'infinity'
  where published_at is null
    and relay_skipped_at is null
-   and (attempts >= %(max_attempts)s or relay_dead_at is not null)
+   and {dead(u)}
    and relay_retry_at is distinct from 'infinity';
 
 -- name: wake_relays
@@ -399,13 +397,10 @@ select id::text, event_type, subject, extract(epoch from published_at)::float8
 -- name: audit_rows
 -- The missing rows to publish again, rendered as the claim renders them, in
 -- publishing order.
-select id::text, event_type, source, subject,
-       case when time >= '0001-01-01 00:00:00+00' and time < '10000-01-01 00:00:00+00'
-            then to_char(time at time zone 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-       end as time,
+select id::text, event_type, source, subject, {rfc3339_time(r)} as time,
        data::text as data, extract(epoch from created_at)::float8 as created_at,
        coalesce(relay_seq, 9223372036854775807) as relay_seq, attempts
-  from {table}
+  from {table} r
  where id = any(%(ids)s::text[]::uuid[])
  order by created_at, relay_seq;
 

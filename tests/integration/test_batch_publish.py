@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from nats.js.api import StreamConfig
 
+from relay.envelope import build_message
+from relay.model import OutboxRow
 from relay_tools.localservers import throwaway_nats
 from tests.support import database
 from tests.support.database import Event
@@ -170,3 +173,40 @@ def test_the_deploy_stream_takes_fast_batches(db_url, start_relay, nats215):
         await js.delete_stream(config["name"])
 
     run_js(nats215.url, delete)
+
+
+def near_limit(stream: TestStream, subject: str, under: int, max_payload: int) -> Event:
+    """An event whose message is ``under`` bytes under ``max_payload``, as the relay
+    builds it (headers and body: what the server counts)."""
+    event = Event(
+        stream.subject("big"), subject, {"n": 0, "pad": ""},
+        time=datetime(2026, 1, 1, tzinfo=UTC),
+    )  # fmt: skip
+    row = OutboxRow(
+        str(event.id), event.event_type, event.source, subject,
+        "2026-01-01T00:00:00.000000Z", json.dumps({"n": 0, "pad": ""}), 0.0, 0, 0,
+    )  # fmt: skip
+    pad = max_payload - under - build_message(row, row.time or "").wire_size
+    event.data["pad"] = "x" * pad
+    return event
+
+
+@pytest.mark.parametrize("mode", ["message", "batch", "atomic"])
+def test_a_message_just_under_max_payload_is_published_in_every_mode(
+    db_url, start_relay, nats215, mode
+):
+    # The server closes the connection on a message over max_payload, headers
+    # counted: an atomic batch adds three, so a row that fits alone did not fit in
+    # one, and its stream stopped for good (claimed first, the connection dropped).
+    stream = TestStream(nats215.url, **BOTH)
+    relay = start_relay(nats_url=nats215.url, publish_mode=mode, batch_size=50, **FAST)
+    max_payload = 1024 * 1024
+    big = [near_limit(stream, "entity-big", under, max_payload) for under in (1, 50, 100)]
+    for n, event in enumerate(big, 1):
+        event.data["n"] = n
+    sent = [*big, *events(stream, 40, subjects=5)]
+    after = Event(stream.subject("kind0"), "entity-big", {"n": 10})
+    database.insert(db_url, [*sent, after])
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 60, message="every row published")
+    assert_each_once_in_order(stream, [*sent, after])
+    assert relay.metric("outbox_relay_dead_rows") == 0

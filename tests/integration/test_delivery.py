@@ -14,7 +14,7 @@ import nats
 import psycopg
 import pytest
 
-from relay.broker import send_queued
+from relay.natsinternals import send_queued
 from tests.support import database
 from tests.support.database import Event
 from tests.support.relayproc import wait_until
@@ -313,8 +313,8 @@ def test_retention_deletes_only_spent_rows(db_url, stream, start_relay):
 
 def test_a_wave_goes_out_from_the_publishing_task():
     # The broker writes what nats-py queued itself instead of waiting for nats-py's
-    # flusher task, through nats-py's private attributes. If a release renames them,
-    # this fails (the relay would still work, 0.2 ms slower a batch at light load).
+    # flusher task, through nats-py's private attributes (relay/natsinternals.py). If
+    # a release renames them, this fails, and so does the relay's start (check()).
     subject = f"relay.test.queued.{uuid.uuid4().hex}"
 
     async def main() -> tuple[list[bytes], list[bytes], bytes]:

@@ -535,11 +535,25 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
             relays[2].kill()
             relays[2] = start_relay(**via)
             faults.append("frozen relay")
-            with ThreadPoolExecutor(1) as pool:
-                late = pool.submit(late_commit, pg.url, campaign)
-                step()
-                late.result(timeout=300)
-            faults.append("late commit")
+            # A reporting session holds the vacuum horizon: every row published or
+            # deleted meanwhile stays a dead entry, and the claims start past them
+            # (relay/claimstart.py); a transaction commits late inside the hold.
+            with psycopg.connect(pg.url, application_name="campaign-report") as reporting:
+                reporting.execute("set transaction isolation level repeatable read")
+                reporting.execute("select count(*) from outbox_events").fetchall()
+                step(3000)
+                with ThreadPoolExecutor(1) as pool:
+                    late = pool.submit(late_commit, pg.url, campaign)
+                    step()
+                    late.result(timeout=300)
+                [(held,)] = database.fetch(
+                    pg.url,
+                    "select backend_xmin is not null from pg_stat_activity "
+                    "where application_name = 'campaign-report'",
+                )
+                assert held, "the reporting session held no snapshot"
+                reporting.rollback()
+            faults.append("horizon held, a late commit inside it")
             campaign.wait_for(20_000, timeout=300)
             assert_batches_stored(relays, publish_mode)
             verdict = finish(

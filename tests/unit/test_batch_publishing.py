@@ -231,13 +231,19 @@ def test_fast_batch_all_stored():
     assert batch.results(TIMEOUT) == [ACKED] * 5
 
 
-def test_fast_batch_with_a_duplicate_inside_counts_it_stored():
-    # The server skips a message it already holds and acks the batch whole
-    # (count 5 for 5 messages, one of them a duplicate): every row is published.
-    batch = FastBatch(5)
-    batch.on_reply(1, reply(FLOW_START))
-    batch.on_reply(5, reply(puback(5)))
-    assert batch.results(TIMEOUT) == [ACKED] * 5
+def test_a_refusal_of_a_message_a_flow_ack_said_is_stored_is_stale():
+    # A flow ack for 3 says 1..3 are stored; an error about 2 after it cannot unstore
+    # it. The flow ack wins, whichever reply arrived first.
+    for replies in (
+        [(3, reply(flow(3, every=1))), (2, reply(TOO_BIG))],
+        [(2, reply(TOO_BIG)), (3, reply(flow(3, every=1)))],
+    ):
+        batch = FastBatch(5)
+        batch.on_reply(1, reply(FLOW_START))
+        for seq, answer in replies:
+            batch.on_reply(seq, answer)
+        results = batch.results(TIMEOUT)
+        assert results[:3] == [ACKED] * 3, replies
 
 
 def test_fast_batch_partial_failure_stops_at_the_refused_message():
@@ -301,6 +307,16 @@ def test_atomic_batch_committed():
     assert batch.over
     assert not batch.send_per_message
     assert batch.results(TIMEOUT) == [ACKED] * 3
+
+
+def test_an_atomic_commit_that_counts_other_than_the_batch_marks_nothing():
+    # All or nothing, and the server said neither: no row is marked published, and
+    # none is blamed (the republish is deduplicated).
+    batch = AtomicBatch(3)
+    batch.on_reply(reply(b""))
+    batch.on_reply(reply(puback(2)))
+    results = batch.results(TIMEOUT)
+    assert all(isinstance(r, Failed) and r.reason.relay_fault for r in results)
 
 
 def test_atomic_batch_with_a_duplicate_goes_per_message():

@@ -14,7 +14,8 @@ from relay.config import (
     parse_table_name,
     redact_url,
 )
-from relay.errors import ConfigError
+from relay.database import connection_string
+from relay.errors import ConfigError, SetupError
 
 
 @pytest.mark.parametrize(
@@ -169,3 +170,34 @@ def test_urls_can_come_from_mounted_secret_files(tmp_path, capsys):
     assert "No such file" in err
     # --help shows defaults only, and the NATS URLs redacted however they are given.
     assert "s3cret" not in build_parser().format_help()
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://relay:hunter2@db/outbox", "postgresql://relay:***@db/outbox"),
+        ("postgresql://relay@db/outbox?password=hunter2&sslmode=require",
+         "postgresql://relay@db/outbox?password=***&sslmode=require"),
+        ("postgresql://db/outbox?sslpassword=hunter2&sslkey=/k.pem",
+         "postgresql://db/outbox?sslpassword=***&sslkey=/k.pem"),
+        ("host=db password=hunter2 dbname=outbox", "host=db password=*** dbname=outbox"),
+        ("host=db password='hunter 2' sslpassword = hunter2",
+         "host=db password=*** sslpassword=***"),
+        ("postgresql://db/outbox?application_name=x", "postgresql://db/outbox?application_name=x"),
+    ],
+)  # fmt: skip
+def test_every_form_of_a_database_secret_is_redacted(url, shown):
+    assert redact_url(url) == shown
+    assert "hunter" not in redact_url(url)
+
+
+def test_the_configs_repr_holds_no_secret():
+    config = Config(database_url="postgresql://u:hunter2@db/x", nats_token="hunter3")
+    assert "hunter" not in repr(config)
+
+
+def test_an_unparsable_database_url_is_reported_without_the_token_it_stumbled_on():
+    with pytest.raises(SetupError) as caught:
+        connection_string("host=db hunter2")
+    assert "hunter2" not in str(caught.value)
+    assert "cannot be parsed" in str(caught.value)

@@ -17,6 +17,7 @@ from relay.broker import (
     RepeatedWarnings,
     _AckInbox,
     _Wave,
+    classify,
     denied_subject,
     parse_ack,
     short_duplicate_windows,
@@ -302,13 +303,23 @@ class TestMarks:
         assert broker_fault_delay(3600.0, 1.0, 2.0) == 2.0  # never past backoff_max
         assert broker_fault_delay(-5.0, 0.5, 2.0) == 0.5  # a created_at in the future
 
-    @pytest.mark.parametrize("reason", [FailureReason.REFUSED, FailureReason.OTHER])
-    def test_last_attempt_goes_dead(self, reason):
+    def test_last_attempt_goes_dead(self):
         r = row(attempts=4)
-        marks = self.decide([r], {r.id: Failed(reason, "refused by the stream")})
+        marks = self.decide([r], {r.id: Failed(FailureReason.REFUSED, "refused by the stream")})
         [mark] = marks.failed
         assert (mark.attempts, mark.retry_delay) == (5, None)
         assert [dead.id for dead, _ in marks.newly_dead] == [r.id]
+
+    def test_the_relays_own_error_never_counts_against_the_row(self):
+        # A bug of the relay's (or nats-py's) on every publish must not walk good rows
+        # to the cap: the row waits, as for the broker, with its attempts untouched.
+        r = row(attempts=4)
+        marks = self.decide([r], {r.id: Failed(FailureReason.RELAY_ERROR, "TypeError: x")})
+        [mark] = marks.failed
+        assert mark.attempts == 4
+        assert mark.retry_delay is not None
+        assert not marks.newly_dead
+        assert not marks.broker_faults
 
     @pytest.mark.parametrize(
         "reason",
@@ -341,7 +352,7 @@ class TestMarks:
         timeout = Failed(FailureReason.TIMEOUT, "slow")
         assert not broker_outage({a.id: timeout, b.id: Acked()})
         assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.REFUSED, "no")})
-        assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.OTHER, "?")})
+        assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.RELAY_ERROR, "?")})
         assert not broker_outage({a.id: Failed(FailureReason.INVALID_SUBJECT, "x")})
         # JetStream answered which stream captures the subject: none. Not an outage.
         assert not broker_outage({a.id: timeout, b.id: Failed(FailureReason.NO_STREAM, "none")})
@@ -366,7 +377,7 @@ class TestMarks:
 
     def test_error_text_is_bounded(self):
         r = row()
-        marks = self.decide([r], {r.id: Failed(FailureReason.OTHER, "x" * 5000)})
+        marks = self.decide([r], {r.id: Failed(FailureReason.REFUSED, "x" * 5000)})
         assert len(marks.failed[0].error) == 1000
 
 
@@ -407,7 +418,7 @@ def jetstream_reply(data: bytes, headers: dict[str, str] | None = None) -> Msg:
         (b'{"error":{"code":400,"err_code":19999,"description":"new in a later server"}}',
          FailureReason.REFUSED),
         (b'{"error":"a bare string"}', FailureReason.REFUSED),
-        (b"not json", FailureReason.OTHER),
+        (b"not json", FailureReason.RELAY_ERROR),
     ],
 )  # fmt: skip
 def test_a_jetstream_refusal_is_put_down_to_the_stream_or_the_message(reply, reason):
@@ -428,11 +439,13 @@ def test_no_responders_is_the_brokers_until_jetstream_says_no_stream_captures_it
 
 
 def test_every_reason_is_put_down_to_exactly_one_party():
-    # The row's (dead at once), the broker's (never counted), or counted refusals.
+    # The row's (dead at once), the broker's or the relay's (never counted), or
+    # counted refusals.
     for reason in FailureReason:
-        assert not (reason.permanent and reason.broker_fault), reason
-    counted = {r for r in FailureReason if not (r.permanent or r.broker_fault)}
-    assert counted == {FailureReason.REFUSED, FailureReason.OTHER}
+        parties = [reason.permanent, reason.broker_fault, reason.relay_fault]
+        assert sum(parties) <= 1, reason
+    counted = {r for r in FailureReason if not (r.permanent or r.broker_fault or r.relay_fault)}
+    assert counted == {FailureReason.REFUSED}
 
 
 def test_a_publish_the_server_denies_settles_at_once_as_the_brokers():
@@ -469,3 +482,15 @@ def test_a_warning_repeated_every_half_second_is_logged_once_a_minute(caplog):
         "NATS client error: nats: authorization violation (119 more times in the last 60s)",
         "another error",
     ]
+
+
+def test_an_unexpected_publish_error_is_the_relays_and_logged_with_its_traceback(caplog):
+    try:
+        raise TypeError("a bug")
+    except TypeError as exc:
+        failed = classify(exc)
+    assert failed.reason is FailureReason.RELAY_ERROR
+    assert not failed.reason.permanent
+    [record] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert record.exc_info is not None
+    assert "a bug" in record.exc_text or "a bug" in str(record.exc_info[1])

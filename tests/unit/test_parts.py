@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from psycopg import sql
 
 from relay.claimstart import StartKey
-from relay.config import Config
+from relay.config import Config, parse_channel, parse_table_name
+from relay.errors import ConfigError
 from relay.health import Health
 from relay.httpserver import HttpServer, parse_request_line
 from relay.logs import JsonFormatter, TextFormatter
@@ -241,3 +242,17 @@ def test_every_metric_declared_is_a_typed_attribute_and_exported():
     for spec in table.values():
         assert spec["help"]
         assert spec["readme"]
+
+
+@pytest.mark.parametrize("name", ["odd$$name", "a$b", "schema.x$$"])
+def test_a_dollar_in_a_table_or_channel_name_is_refused_before_any_sql(name):
+    # The names land inside $$-quoted bodies (sql/install), where "$$" ends the body:
+    # `install --table 'odd$$name'` failed with a syntax error.
+    with pytest.raises(ValueError, match="not a table name"):
+        parse_table_name(name)
+    with pytest.raises(ValueError, match="not a channel name"):
+        parse_channel(name.replace(".", "_"))
+    with pytest.raises(ConfigError, match=r"'\$' in a name"):
+        Names.for_config(Config(table=tuple(name.split("."))))
+    with pytest.raises(ConfigError):
+        Names.for_config(Config(channel=name))

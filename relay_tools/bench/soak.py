@@ -1,0 +1,333 @@
+"""`outbox-relay bench --soak`: sustained load while something holds the vacuum
+horizon back, and after it lets go.
+
+Producers commit single-row transactions at a steady rate over many subjects; the
+relay runs as operators run it, with a short retention so that it deletes rows too;
+a reporting session holds a repeatable-read snapshot for the middle of the run. Per
+window of commit time: latency from commit to consumer (p50, p99, max), the table's
+dead tuples and size, the backlog (committed, not yet arrived) and the relay's CPU.
+The verdict: every window of the hold keeps its p99 within twice the p99 before it
+(or under 40 ms, whichever is larger), the backlog never passes one second of load,
+and every event arrives once, in order per subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import nats
+import psycopg
+from nats.aio.msg import Msg
+
+from relay.config import Config
+from relay.sqlfiles import Names, query
+from relay_tools.bench.harness import RelayProcess, Target, dumps, wait_until_ready
+from relay_tools.bench.stats import percentile
+from relay_tools.localservers import throwaway_nats, throwaway_postgres
+
+INSERT = (
+    "insert into outbox_events (id, event_type, source, subject, time, data) "
+    "values (%s, %s, 'soak', %s, now(), %s)"
+)
+
+# The targets, as ratios and bounds measured in the same run.
+P99_RATIO = 2.0
+P99_FLOOR_MS = 40.0
+BACKLOG_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    rate: float = 1500.0
+    subjects: int = 500
+    producers: int = 4
+    before: float = 90.0
+    hold: float = 300.0
+    after: float = 90.0
+    window: float = 30.0
+    retention: str = "20s"
+    retention_interval: str = "5s"
+
+    @classmethod
+    def quick(cls) -> SoakPlan:
+        return cls(rate=300.0, subjects=50, before=10.0, hold=20.0, after=10.0, window=5.0)
+
+    @property
+    def seconds(self) -> float:
+        return self.before + self.hold + self.after
+
+
+@dataclass
+class Window:
+    start: float  # seconds into the run
+    held: bool
+    events: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    max_ms: float = 0.0
+    dead_tuples: int = 0  # the most seen in the window
+    table_mb: float = 0.0  # at the window's end
+    backlog: int = 0  # the most committed-not-arrived seen in the window
+    relay_cpu: float = 0.0  # share of one core
+
+
+@dataclass
+class SoakReport:
+    plan: SoakPlan
+    windows: list[Window]
+    committed: int
+    arrived: int
+    lost: int
+    inversions: int
+    drained_after_release: float | None  # seconds from the release to an empty backlog
+    verdicts: list[tuple[str, bool]] = field(default_factory=list)
+
+
+@dataclass
+class _Run:
+    started: float
+    committed: dict[str, tuple[float, str, int]] = field(default_factory=dict)
+    arrived: dict[str, float] = field(default_factory=dict)
+    last_seq: dict[str, int] = field(default_factory=dict)
+    inversions: int = 0
+    samples: list[tuple[float, int, int, int, float]] = field(default_factory=list)
+
+
+async def _produce(target: Target, plan: SoakPlan, run: _Run, index: int) -> None:
+    """One producer: its own subjects (so its commit order is their created_at order),
+    at rate / producers, each event's commit time noted."""
+    per_producer = plan.rate / plan.producers
+    subjects = [f"s{k}" for k in range(index, plan.subjects, plan.producers)]
+    seq = dict.fromkeys(subjects, 0)
+    async with await psycopg.AsyncConnection.connect(target.url, autocommit=True) as conn:
+        start = run.started + index / plan.rate
+        n = 0
+        while (due := start + n / per_producer) - run.started < plan.seconds:
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            subject = subjects[n % len(subjects)]
+            seq[subject] += 1
+            event_id = str(uuid.uuid4())
+            data = json.dumps({"seq": seq[subject]})
+            run.committed[event_id] = (time.perf_counter(), subject, seq[subject])
+            await conn.execute(INSERT, (event_id, target.event_type, subject, data))
+            n += 1
+
+
+def _on_message(run: _Run) -> Callable[[Msg], Awaitable[None]]:
+    async def on_message(msg: Msg) -> None:
+        event_id = (msg.headers or {}).get("Nats-Msg-Id", "")
+        if event_id in run.arrived or event_id not in run.committed:
+            return  # a duplicate (the first arrival counts), or the readiness probe
+        run.arrived[event_id] = time.perf_counter()
+        envelope = json.loads(msg.data)
+        subject, seq = envelope["subject"], envelope["data"]["seq"]
+        if seq < run.last_seq.get(subject, 0):
+            run.inversions += 1
+        run.last_seq[subject] = max(seq, run.last_seq.get(subject, 0))
+
+    return on_message
+
+
+async def _sample(target: Target, relay: RelayProcess, run: _Run, stop: asyncio.Event) -> None:
+    """Once a second: the table's dead tuples and size, the backlog, the relay's CPU."""
+    health = query(Names.for_config(Config()), "table_health")
+    async with await psycopg.AsyncConnection.connect(target.url, autocommit=True) as conn:
+        while not stop.is_set():
+            cursor = await conn.execute(health, {"table": "outbox_events"})
+            row = await cursor.fetchone()
+            assert row is not None
+            backlog = len(run.committed) - len(run.arrived)
+            now = time.perf_counter() - run.started
+            run.samples.append((now, int(row[0]), int(row[1]), backlog, relay.cpu_seconds()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+
+async def _hold(target: Target, plan: SoakPlan, run: _Run) -> None:
+    """A reporting session: one repeatable-read snapshot, held for ``plan.hold``."""
+    await asyncio.sleep(max(0.0, run.started + plan.before - time.perf_counter()))
+    async with await psycopg.AsyncConnection.connect(
+        target.url, application_name="soak-report"
+    ) as conn:
+        await conn.execute("set transaction isolation level repeatable read")
+        await (await conn.execute("select count(*) from outbox_events")).fetchall()
+        await asyncio.sleep(max(0.0, run.started + plan.before + plan.hold - time.perf_counter()))
+        await conn.rollback()
+
+
+def _windows(plan: SoakPlan, run: _Run) -> list[Window]:
+    windows = []
+    count = round(plan.seconds / plan.window)
+    for i in range(count):
+        start, end = i * plan.window, (i + 1) * plan.window
+        held = start >= plan.before and end <= plan.before + plan.hold
+        latencies = [
+            run.arrived[event_id] - at
+            for event_id, (at, _, _) in run.committed.items()
+            if event_id in run.arrived and start <= at - run.started < end
+        ]
+        window = Window(start, held, len(latencies))
+        if latencies:
+            window.p50_ms = percentile(latencies, 0.5) * 1000
+            window.p99_ms = percentile(latencies, 0.99) * 1000
+            window.max_ms = max(latencies) * 1000
+        samples = [s for s in run.samples if start <= s[0] < end]
+        if samples:
+            window.dead_tuples = max(s[1] for s in samples)
+            window.table_mb = samples[-1][2] / 1e6
+            window.backlog = max(s[3] for s in samples)
+            span = samples[-1][0] - samples[0][0]
+            if span > 0:
+                window.relay_cpu = (samples[-1][4] - samples[0][4]) / span
+        windows.append(window)
+    return windows
+
+
+def _drained_after_release(plan: SoakPlan, run: _Run) -> float | None:
+    release = plan.before + plan.hold
+    for at, _, _, backlog, _ in run.samples:
+        if at >= release and backlog <= plan.rate * BACKLOG_SECONDS:
+            return max(0.0, at - release)
+    return None
+
+
+def verdicts(report: SoakReport) -> list[tuple[str, bool]]:
+    plan = report.plan
+    before = [w for w in report.windows if w.start + plan.window <= plan.before and w.start > 0]
+    held = [w for w in report.windows if w.held]
+    baseline = max((w.p99_ms for w in before), default=0.0)
+    allowed = max(P99_RATIO * baseline, P99_FLOOR_MS)
+    worst = max((w.p99_ms for w in held), default=0.0)
+    backlog = max((w.backlog for w in report.windows), default=0)
+    return [
+        (
+            f"p99 in every window of the hold {worst:.1f} ms <= {allowed:.1f} ms "
+            f"(the larger of {P99_RATIO:g} x {baseline:.1f} ms before it and {P99_FLOOR_MS:g} ms)",
+            worst <= allowed,
+        ),
+        (
+            f"backlog at most {backlog} rows <= one second of load ({plan.rate:g})",
+            backlog <= plan.rate * BACKLOG_SECONDS,
+        ),
+        (f"lost {report.lost} == 0", report.lost == 0),
+        (f"per-subject order inversions {report.inversions} == 0", report.inversions == 0),
+    ]
+
+
+async def soak(target: Target, plan: SoakPlan) -> SoakReport:
+    relay = RelayProcess(
+        target.url,
+        target.nats_url,
+        retention=plan.retention,
+        retention_interval=plan.retention_interval,
+    )
+    run = _Run(started=0.0)
+    nc = await nats.connect(target.nats_url)
+    stop = asyncio.Event()
+    try:
+        await nc.subscribe(f"{target.prefix}.>", cb=_on_message(run), pending_msgs_limit=10_000_000)
+        await nc.flush()
+        async with relay:
+            await wait_until_ready(target)
+            run.started = time.perf_counter()
+            sampler = asyncio.create_task(_sample(target, relay, run, stop))
+            await asyncio.gather(
+                _hold(target, plan, run),
+                *(_produce(target, plan, run, i) for i in range(plan.producers)),
+            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(120):
+                    while not run.committed.keys() <= run.arrived.keys():  # noqa: ASYNC110 - a callback fills it
+                        await asyncio.sleep(0.05)
+            stop.set()
+            await sampler
+    finally:
+        await nc.close()
+    lost = len(set(run.committed) - set(run.arrived))
+    report = SoakReport(
+        plan,
+        _windows(plan, run),
+        len(run.committed),
+        len(run.arrived),
+        lost,
+        run.inversions,
+        _drained_after_release(plan, run),
+    )
+    report.verdicts = verdicts(report)
+    return report
+
+
+def render(report: SoakReport) -> str:
+    plan = report.plan
+    lines = [
+        f"soak: {plan.rate:g} events/s over {plan.subjects} subjects for {plan.seconds:g} s; "
+        f"a repeatable-read snapshot held from {plan.before:g} s to {plan.before + plan.hold:g} s; "
+        f"retention {plan.retention} every {plan.retention_interval}",
+        "",
+        f"{'window':>11}  {'held':4}  {'events':>6}  {'p50 ms':>7}  {'p99 ms':>7}  "
+        f"{'max ms':>7}  {'dead tuples':>11}  {'table MB':>8}  {'backlog':>7}  {'relay CPU':>9}",
+    ]
+    for w in report.windows:
+        lines.append(
+            f"{_clock(w.start)}-{_clock(w.start + plan.window)}  {'yes' if w.held else 'no':4}  "
+            f"{w.events:>6}  {w.p50_ms:>7.1f}  {w.p99_ms:>7.1f}  {w.max_ms:>7.1f}  "
+            f"{w.dead_tuples:>11}  {w.table_mb:>8.1f}  {w.backlog:>7}  {w.relay_cpu:>8.0%}"
+        )
+    drained = report.drained_after_release
+    lines += [
+        "",
+        f"committed {report.committed}, arrived {report.arrived}, lost {report.lost}, "
+        f"order inversions {report.inversions}; backlog under one second of load "
+        + (f"{drained:.0f} s after the release" if drained is not None else "never after release"),
+        "",
+        "targets:",
+        *(f"  {'met' if ok else 'NOT MET'}: {text}" for text, ok in report.verdicts),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+@contextlib.contextmanager
+def _servers(database_url: str | None, nats_url: str | None) -> Iterator[tuple[str, str]]:
+    with contextlib.ExitStack() as servers:
+        if database_url is None:
+            database_url = servers.enter_context(throwaway_postgres(durable=True)).url
+        if nats_url is None:
+            nats_url = servers.enter_context(throwaway_nats()).url
+        yield database_url, nats_url
+
+
+async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) -> SoakReport:
+    with _servers(database_url, nats_url) as (pg, nats_url_):
+        target = Target(pg, nats_url_)
+        await target.create()
+        try:
+            return await soak(target, plan)
+        finally:
+            await target.drop()
+
+
+def main(
+    database_url: str | None,
+    nats_url: str | None,
+    plan: SoakPlan,
+    json_path: str | None,
+) -> int:
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        report = runner.run(_main(database_url, nats_url, plan))
+    print(render(report), end="")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as out:
+            out.write(dumps({**asdict(report), "plan": asdict(plan)}) + "\n")
+    return 0 if all(ok for _, ok in report.verdicts) else 1
