@@ -137,9 +137,9 @@ async def translated(doing: str) -> AsyncIterator[None]:
 @dataclass(frozen=True)
 class SetupReport:
     trigger_present: bool
-    # Without the late-insert trigger every claim walks from the claim index's first
+    # Without relay_late's default every claim walks from the claim index's first
     # entry (relay/claimstart.py).
-    late_trigger_present: bool
+    late_default_present: bool
     # Rows found at the cap without relay_dead_at, or dead as an earlier version left
     # them (not holding their subject), and marked dead now (the adopt_dead query).
     adopted_dead: int
@@ -411,17 +411,19 @@ class Database:
                     "relay_skipped_at, relay_late): "
                     "run `outbox-relay install`"
                 )
-            present = []
-            for trigger_name in (self.names.trigger_name, self.names.late_trigger_name):
-                cursor = await aio.call(
-                    conn.execute,
-                    query(self.names, "trigger_present"),
-                    {"table": table_text, "trigger": trigger_name},
-                )
-                found = await aio.call(cursor.fetchone)
-                present.append(bool(found and found[0]))
-            trigger, late_trigger = present
-            if not late_trigger:
+            cursor = await aio.call(
+                conn.execute,
+                query(self.names, "trigger_present"),
+                {"table": table_text, "trigger": self.names.trigger_name},
+            )
+            found = await aio.call(cursor.fetchone)
+            trigger = bool(found and found[0])
+            cursor = await aio.call(
+                conn.execute, query(self.names, "late_default_present"), {"table": table_text}
+            )
+            found = await aio.call(cursor.fetchone)
+            late_default = bool(found and found[0])
+            if not late_default:
                 # Without it a late row could sit before the start key unseen.
                 self.claim_start.disable()
             cursor = await aio.call(
@@ -431,7 +433,7 @@ class Database:
             )
             adopted = cursor.rowcount
         return SetupReport(
-            trigger_present=trigger, late_trigger_present=late_trigger, adopted_dead=adopted
+            trigger_present=trigger, late_default_present=late_default, adopted_dead=adopted
         )
 
     async def backlog(self, max_attempts: int) -> Backlog:
@@ -458,6 +460,19 @@ class Database:
             holders = await aio.call(cursor.fetchall)
         assert row is not None  # one row of scalars
         return TableHealth(*row), read_holders(holders)
+
+    async def sweep(self) -> bool:
+        """Whether a live row sits before where the claims start, unflagged: one walk
+        of the claim index from its first entry, off the claim's path."""
+        start = self.claim_start.key()
+        if start == FROM_FIRST_ENTRY:
+            return False
+        params = {"start_at": start.start_at, "start_seq": start.start_seq,
+                  "bound_at": start.bound_at}  # fmt: skip
+        async with self.connection("sweep") as conn, translated("sweep"):
+            cursor = await aio.call(conn.execute, query(self.names, "sweep"), params)
+            row = await aio.call(cursor.fetchone)
+        return bool(row and row[0])
 
     async def delete_spent(self, retention: float, batch_size: int, after: str) -> Deleted:
         """Delete up to ``batch_size`` spent rows published from ``after`` on (text,

@@ -5,6 +5,7 @@ back, and the table's dead tuples and size."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 
 import trio
 
@@ -25,6 +26,10 @@ BACKLOG_DUTY = 20.0
 # A horizon held longer than this is logged (once, then when it lets go).
 HORIZON_WARNING = 300.0
 
+# How often the sweep looks for a live row before where the claims start (a
+# created_at given older than its transaction): found within this, and published.
+SWEEP_INTERVAL = 60.0
+
 
 def next_backlog_read(started: float, took: float, interval: float) -> float:
     """When to read the backlog again, after a read that began at ``started`` and
@@ -32,51 +37,77 @@ def next_backlog_read(started: float, took: float, interval: float) -> float:
     return started + max(interval, took * BACKLOG_DUTY)
 
 
+class _Horizon:
+    """The horizon's gauges, and its warning once it has been held a while."""
+
+    def __init__(self) -> None:
+        self.clock = XidClock()
+        self.warned = False
+
+    async def read(self, config: Config, database: Database, metrics: Metrics) -> None:
+        now = trio.current_time()
+        health, holders = await database.horizon()
+        self.clock.sample(now, health.next_xid)
+        metrics.table_dead_tuples.set(health.dead_tuples)
+        metrics.table_bytes.set(health.total_bytes)
+        seconds = holder_seconds(holders[0], self.clock, health.next_xid, now) if holders else 0.0
+        metrics.horizon_age.set(seconds)
+        metrics.horizon_xids.set(holders[0].xids if holders else 0)
+        if seconds > HORIZON_WARNING and not self.warned:
+            log.warning(
+                "the vacuum horizon is %s: %d dead tuples in %s so far, which no vacuum may "
+                "remove until it lets go (`outbox-relay status`)",
+                describe(holders[0], seconds),
+                health.dead_tuples,
+                config.table_display,
+            )
+            self.warned = True
+        elif self.warned and seconds < HORIZON_WARNING:
+            log.info("the vacuum horizon moves again")
+            self.warned = False
+
+
+async def _read_backlog(config: Config, database: Database, metrics: Metrics) -> None:
+    backlog = await database.backlog(config.max_attempts)
+    metrics.unpublished.set(backlog.unpublished)
+    metrics.dead_rows.set(backlog.dead)
+    metrics.skipped_rows.set(backlog.skipped)
+    metrics.held_subjects.set(backlog.held_subjects)
+    metrics.oldest_age.set(backlog.oldest_age_seconds)
+
+
+async def _sweep(config: Config, database: Database) -> None:
+    if await database.sweep():
+        log.warning(
+            "a live row of %s sits before where the claims start (a created_at older than "
+            "its transaction, or a row put back by hand): the next claim walks from the "
+            "first entry",
+            config.table_display,
+        )
+        database.claim_start.rewind()
+
+
 async def run_gauges(config: Config, database: Database, metrics: Metrics) -> None:
-    clock = XidClock()
+    horizon = _Horizon()
     backlog_due = trio.current_time()
-    warned = False
+    sweep_due = trio.current_time() + SWEEP_INTERVAL
     while True:
         now = trio.current_time()
-        try:
-            health, holders = await database.horizon()
-        except RelayError as exc:
-            metrics.database_errors.labels(task="gauges").inc()
-            log.warning("could not read the table's health: %s", exc)
-        else:
-            clock.sample(now, health.next_xid)
-            metrics.table_dead_tuples.set(health.dead_tuples)
-            metrics.table_bytes.set(health.total_bytes)
-            seconds = 0.0
-            if holders:
-                seconds = holder_seconds(holders[0], clock, health.next_xid, now)
-            metrics.horizon_age.set(seconds)
-            metrics.horizon_xids.set(holders[0].xids if holders else 0)
-            if seconds > HORIZON_WARNING and not warned:
-                log.warning(
-                    "the vacuum horizon is %s: %d dead tuples in %s so far, which no "
-                    "vacuum may remove until it lets go (`outbox-relay status`)",
-                    describe(holders[0], seconds),
-                    health.dead_tuples,
-                    config.table_display,
-                )
-                warned = True
-            elif warned and seconds < HORIZON_WARNING:
-                log.info("the vacuum horizon moves again")
-                warned = False
+        await _attempt("read the table's health", horizon.read(config, database, metrics), metrics)
         if now >= backlog_due:
             started = trio.current_time()
-            try:
-                backlog = await database.backlog(config.max_attempts)
-            except RelayError as exc:
-                metrics.database_errors.labels(task="gauges").inc()
-                log.warning("could not read the backlog: %s", exc)
-            else:
-                metrics.unpublished.set(backlog.unpublished)
-                metrics.dead_rows.set(backlog.dead)
-                metrics.skipped_rows.set(backlog.skipped)
-                metrics.held_subjects.set(backlog.held_subjects)
-                metrics.oldest_age.set(backlog.oldest_age_seconds)
+            await _attempt("read the backlog", _read_backlog(config, database, metrics), metrics)
             took = trio.current_time() - started
             backlog_due = next_backlog_read(started, took, config.gauge_interval)
+        if now >= sweep_due:
+            sweep_due = now + SWEEP_INTERVAL
+            await _attempt("sweep before the claims' start", _sweep(config, database), metrics)
         await trio.sleep(config.gauge_interval)
+
+
+async def _attempt(what: str, work: Awaitable[None], metrics: Metrics) -> None:
+    try:
+        await work
+    except RelayError as exc:
+        metrics.database_errors.labels(task="gauges").inc()
+        log.warning("could not %s: %s", what, exc)

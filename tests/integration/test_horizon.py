@@ -319,3 +319,37 @@ def test_retention_walks_on_from_its_last_row_past_the_dead_entries_it_left(db_u
         assert count == 1000
         assert read >= 49000, read  # what every statement read, walking from the first
         reporting.rollback()
+
+
+def test_the_sweep_finds_a_backfilled_row_before_the_start_key_and_a_rewind_claims_it(db_url):
+    # A created_at given explicitly, older than its transaction (a backfill): nothing
+    # flags it, and the claims start past it. The sweep (off the claim's path, every
+    # minute in the relay) sees it, and the next claim walks from the first entry.
+    async def test(claims: Claims) -> None:
+        insert(db_url, "other", 3)
+        await claims.drain()
+        wait_out_the_late_insert_slack(db_url)
+        for _ in range(3):
+            insert(db_url, "other", 3)
+            assert len(await claims.drain()) == 3
+
+        def swept() -> bool:
+            key = claims.start.key()
+            params = {"start_at": key.start_at, "start_seq": key.start_seq,
+                      "bound_at": key.bound_at}  # fmt: skip
+            with psycopg.connect(db_url) as conn:
+                [(found,)] = conn.execute(query(NAMES, "sweep"), params).fetchall()
+            return bool(found)
+
+        assert not swept()
+        [backfilled] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00")
+        assert database.fetch(
+            db_url, "select relay_late from outbox_events where id = %s", (backfilled,)
+        ) == [(None,)]
+        assert await claims.drain() == []  # past the start key: no claim sees it
+        assert swept()
+        claims.start.rewind()
+        assert await claims.drain() == [backfilled]
+        assert not swept()
+
+    run(db_url, test)
