@@ -336,5 +336,10 @@ class Campaign:
         for message in self.stream.read_all():
             envelope = message.envelope
             data = envelope.get("data") or {}
-            messages.append(Stored(message.msg_id, envelope["subject"], int(data.get("seq", 0))))
+            messages.append(
+                Stored(
+                    message.msg_id, str(data.get("subject", envelope["subject"])),
+                    int(data.get("seq", 0)), str(envelope.get("id")),
+                )
+            )  # fmt: skip
         return check(committed, table, messages, max_attempts=max_attempts, poison=self.poison)

@@ -20,11 +20,13 @@ class Committed:
 
 @dataclass(frozen=True)
 class Stored:
-    """A message in the stream, in stream order."""
+    """A message in the stream, in stream order: ``id`` its Nats-Msg-Id, ``subject``
+    and ``seq`` from its body, ``envelope_id`` its envelope's id (None: not read)."""
 
     id: str
     subject: str
     seq: int
+    envelope_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class Verdict:
     poison: int = 0
     poison_dead: int = 0
     poison_published: list[str] = field(default_factory=list)
+    # Messages whose envelope id is not their Nats-Msg-Id, or whose body is not the
+    # committed row's (a header or body mix-up between rows).
+    mismatched: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -65,6 +70,7 @@ class Verdict:
             or self.stuck
             or self.dead
             or self.poison_published
+            or self.mismatched
         )
 
     def summary(self) -> str:
@@ -74,7 +80,8 @@ class Verdict:
             f"{len(self.marked_but_missing)}, duplicates {self.duplicates}, order "
             f"inversions {len(self.order_inversions)}, stuck {len(self.stuck)}, "
             f"good rows dead {len(self.dead)}, poison {self.poison} "
-            f"(dead {self.poison_dead}, published {len(self.poison_published)})"
+            f"(dead {self.poison_dead}, published {len(self.poison_published)}), "
+            f"mismatched {len(self.mismatched)}"
         )
 
     def details(self) -> str:
@@ -83,7 +90,7 @@ class Verdict:
             f"lost {self.lost[:5]} unexpected {self.unexpected[:5]} marked but missing "
             f"{self.marked_but_missing[:5]} inversions {self.order_inversions[:5]} "
             f"stuck {self.stuck[:5]} dead {self.dead[:5]} "
-            f"poison published {self.poison_published[:5]}"
+            f"poison published {self.poison_published[:5]} mismatched {self.mismatched[:5]}"
         )
 
 
@@ -124,6 +131,17 @@ def check(
         row_id for row_id, row in table.items() if row.published and row_id not in in_stream
     )
     verdict.duplicates = sum(count - 1 for count in copies.values())
+    by_id = {event.id: event for event in committed}
+    verdict.mismatched = sorted({
+        message.id
+        for message in stream
+        if (message.envelope_id is not None and message.envelope_id != message.id)
+        or (
+            message.id in by_id
+            and (by_id[message.id].subject, by_id[message.id].seq)
+            != (message.subject, message.seq)
+        )
+    })  # fmt: skip
     # Stuck: left unpublished and not given up on (a poison row too: it must go dead).
     verdict.stuck = sorted(
         row_id for row_id, row in table.items() if not row.published and row_id not in given_up

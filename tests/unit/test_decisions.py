@@ -425,7 +425,6 @@ def test_a_jetstream_refusal_is_put_down_to_the_stream_or_the_message(reply, rea
     result = parse_ack(jetstream_reply(reply))
     assert isinstance(result, Failed)
     assert result.reason is reason
-    assert reason.broker_fault == (reason is FailureReason.STREAM_UNAVAILABLE)
 
 
 def test_no_responders_is_the_brokers_until_jetstream_says_no_stream_captures_it():
