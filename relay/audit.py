@@ -11,8 +11,10 @@ otherwise (deleted, purged, lost by the broker, the stream deleted or recreated)
 envelope ``id`` unchanged and a ``Nats-Msg-Id`` of its own, so the stream stores
 it even while its duplicate window remembers the first one.
 
-Everything here runs on the asyncio side (psycopg and nats-py), called from
-trio through :mod:`relay.aio` by the relay, or by ``asyncio.run`` from the CLI.
+An audit runs whole on the asyncio side (psycopg and nats-py, which it uses
+itself, translating their errors into :class:`AuditError` where it knows them):
+``asyncio.run`` from the CLI, or one crossing through :mod:`relay.aio` a round from
+:func:`run_audits`, the relay's trio task.
 """
 
 from __future__ import annotations

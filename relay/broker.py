@@ -377,6 +377,7 @@ class Broker:
         self._modes: dict[str, PublishMode] = {}
         self._streams_due = 0.0  # loop time of the next read of the streams' modes
         self._streams_reading: asyncio.Task[None] | None = None
+        self._streams_known = False  # a read of the streams has succeeded
 
     @property
     def connected(self) -> bool:
@@ -474,10 +475,14 @@ class Broker:
         that captures it ("" for none), from what was last read of the streams. Once
         that is STREAM_MODES_TTL seconds old, it is read again beside the batch, not
         in its way: a batch holds its row locks, and a read can take up to
-        STREAM_MODES_READ_TIMEOUT. Until the first read succeeds, every subject goes
-        per message."""
+        STREAM_MODES_READ_TIMEOUT. Only until a first read has succeeded does a batch
+        wait for one; while none succeeds, every subject goes per message."""
         loop = asyncio.get_running_loop()
-        if loop.time() >= self._streams_due and (
+        if not self._streams_known:
+            # Nothing read yet (a batch before the read at connect ended): read now,
+            # or a stream that takes batches would get its first rows per message.
+            await self._read_stream_modes(loop)
+        elif loop.time() >= self._streams_due and (
             self._streams_reading is None or self._streams_reading.done()
         ):
             self._streams_reading = loop.create_task(self._read_stream_modes(loop))
@@ -509,6 +514,7 @@ class Broker:
             self._streams_due = loop.time() + STREAM_MODES_RETRY
             return
         self._streams_due = loop.time() + STREAM_MODES_TTL
+        self._streams_known = True
         self._streams = [
             StreamModes(
                 name=c.name or "?",

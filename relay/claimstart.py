@@ -64,17 +64,23 @@ class ClaimStart:
     def __init__(self) -> None:
         self._key = FROM_FIRST_ENTRY
         self._disabled = False
+        # A rewind holds until a claim that walked from the first entry reports: a
+        # claim already in flight (from the old key) must not undo it.
+        self._rewind = False
         # (xid, statement time) of earlier claims, oldest first; xids only grow.
         self._claims: deque[tuple[int, str]] = deque()
 
     def key(self) -> StartKey:
-        return FROM_FIRST_ENTRY if self._disabled else self._key
+        return FROM_FIRST_ENTRY if self._disabled or self._rewind else self._key
 
     def disable(self) -> None:
         """Every claim from the first entry: relay_late's default is missing."""
         self._disabled = True
 
-    def observe(self, summary: ClaimSummary) -> None:
+    def observe(self, summary: ClaimSummary, used: StartKey) -> None:
+        """Take the summary of a claim that ran from ``used``."""
+        if used == FROM_FIRST_ENTRY:
+            self._rewind = False
         if summary.xid is not None:
             self._claims.append((summary.xid, summary.statement_at))
         # The latest claim whose xid is older than every transaction still running.
@@ -92,7 +98,7 @@ class ClaimStart:
     def rewind(self) -> None:
         """Walk from the first entry at the next claim (the sweep found a row before
         the start key: something outside the model put it there)."""
-        self._key = FROM_FIRST_ENTRY
+        self._rewind = True
 
     @property
     def walks_from_first_entry(self) -> bool:

@@ -251,7 +251,7 @@ class Transaction:
         # The last row is the claim's summary (blocker null): where the next starts.
         *found, (_, start_at, statement_at, xmin, xid, _, _, _, start_seq, _) = found
         self._start.observe(
-            ClaimSummary(start_at, start_seq, statement_at, int(xmin), xid and int(xid))
+            ClaimSummary(start_at, start_seq, statement_at, int(xmin), xid and int(xid)), start
         )
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
         blockers = earliest_blockers(

@@ -74,7 +74,11 @@ def test_leader_lost_stepped_down_and_quorum_lost_kill_and_reorder_nothing(
             # retries every 50-500 ms: about 2.3 s) would last were failures counted.
             cluster.wait_for_leader(stream.name)
             down = [node for node in cluster.nodes if node.name != cluster.nodes[0].name]
-            before = published()
+            # A count the stream gave: with -1 ("cannot say") the wait for publishing
+            # again below would be true at once.
+            [before] = wait_until(
+                lambda: (n := published()) >= 0 and [n], message="the stream answering"
+            )
             outages = [relay.metric("outbox_relay_broker_outage_batches_total") for relay in relays]
             for node in down:
                 node.kill()

@@ -455,6 +455,16 @@ def test_poison_rows_in_good_traffic(db_url, stream, start_relay):
         campaign.close()
 
 
+def publish_failures(relays: list) -> float:
+    """Failed publishes, every reason, over ``relays``."""
+    return sum(
+        value
+        for relay in relays
+        for key, value in relay.metrics().items()
+        if key.startswith("outbox_relay_publish_failures_total")
+    )
+
+
 @pytest.mark.parametrize("publish_mode", PUBLISH_MODES)
 def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
     """At least 20,000 events through one of every fault kind, then the checker; in
@@ -480,7 +490,7 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
             for failpoint in ("crash-before-publish", "crash-after-publish", "crash-after-mark"):
                 step()
                 doomed = start_relay(wait_ready=False, failpoints=failpoint, **via)
-                doomed.process.wait(30)
+                assert doomed.process.wait(30) == -signal.SIGKILL  # it died in the window
                 faults.append(failpoint)
             # Until now the late event type had no stream: its rows waited, holding
             # their subjects (and each claim stepped over them, README: known limits).
@@ -525,8 +535,16 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
                 faults.append(f"postgres path {mode}")
             for mode in ("stall", "drop", "cut", "reset"):
                 step()
+                # Held until a publish failed for it: 2 s of a stalled path can pass
+                # before the client notices anything, and a fault that did nothing is
+                # not a fault survived.
+                failed_before = publish_failures(relays)
                 nats_proxy.set_mode(mode)
-                time.sleep(2)
+                wait_until(
+                    lambda before=failed_before: publish_failures(relays) > before,
+                    timeout=60,
+                    message=f"nats path {mode} to fail a publish",
+                )
                 nats_proxy.set_mode("pass")
                 faults.append(f"nats path {mode}")
             step()

@@ -3,22 +3,27 @@ an absent message left by a limit, how repairs keep per-subject order."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
 import pytest
+from nats.js.api import PubAck
 
 from relay.audit import (
     AuditReport,
     MissingRow,
     StreamView,
+    _repair,
     message_key,
     parse_time,
     removed_by_limits,
     repair_msg_id,
 )
+from relay.config import Config
 from relay.model import OutboxRow
 from relay.ordering import SubjectQueues
+from relay.sqlfiles import Names
 
 # A stream's info as nats-server 2.15 answers $JS.API.STREAM.INFO (trimmed).
 INFO = {
@@ -122,3 +127,48 @@ def test_the_report_lists_every_missing_id_in_json_and_the_first_in_text():
     text = report.summary()
     assert "12 missing" in text
     assert "... and 2 more" in text
+
+
+def test_repair_publishes_in_waves_and_stops_a_subject_at_its_failure():
+    # _repair itself, on fakes of a connection and of JetStream: a wave is one row of
+    # each subject, sent only once the previous wave's acks are in; a subject whose
+    # row failed stops there, its later rows untried, while the others go on.
+    a1, b1, a2, a3, b2 = row("a", 1), row("b", 2), row("a", 3), row("a", 4), row("b", 5)
+    calls: list[tuple[str, int]] = []  # (row id, acks in when it was sent)
+    acked: list[str] = []
+
+    class Cursor:
+        async def fetchall(self) -> list[tuple[object, ...]]:
+            return [tuple(r) for r in (a1, b1, a2, a3, b2)]
+
+    class Conn:
+        async def execute(self, *_args: object) -> Cursor:
+            return Cursor()
+
+        async def commit(self) -> None:
+            pass
+
+    class JetStream:
+        async def publish(self, subject, body, timeout, headers):  # noqa: ASYNC109 - js.publish's signature
+            row_id = json.loads(body)["id"]
+            calls.append((row_id, len(acked)))
+            await asyncio.sleep(0)
+            if row_id == a2.id:
+                raise TimeoutError("no ack")
+            acked.append(row_id)
+            return PubAck(stream="EVENTS", seq=len(acked))
+
+    class Nats:
+        def jetstream(self) -> JetStream:
+            return JetStream()
+
+    report = AuditReport(since=3600, checked=5, streams={"EVENTS": 5})
+    report.missing = [
+        MissingRow(r.id, "orders.paid", r.subject, NOW, "EVENTS") for r in (a1, b1, a2, a3, b2)
+    ]
+    asyncio.run(_repair(Conn(), Nats(), Names.for_config(Config()), report))  # type: ignore[arg-type]
+    assert calls == [(a1.id, 0), (b1.id, 0), (a2.id, 2), (b2.id, 2)]
+    assert report.repaired == [a1.id, b1.id, b2.id]
+    assert set(report.repair_failed) == {a2.id, a3.id}
+    assert "TimeoutError" in report.repair_failed[a2.id]
+    assert "not tried" in report.repair_failed[a3.id]
