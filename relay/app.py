@@ -210,11 +210,11 @@ class Relay:
                 self.config.table_display,
                 self.config.poll_interval,
             )
-        if not report.late_default_present:
+        if not report.late_trigger_present:
             log.warning(
-                "relay_late has no default on %s: every claim walks the claim index from "
-                "its first entry, which costs more the longer something holds the vacuum "
-                "horizon back (run `outbox-relay install`)",
+                "late-insert trigger is not installed on %s: every claim walks the claim "
+                "index from its first entry, which costs more the longer something holds "
+                "the vacuum horizon back (run `outbox-relay install`)",
                 self.config.table_display,
             )
         return True

@@ -9,8 +9,8 @@ since. So each claim starts at the earliest of:
 - the earliest ``created_at`` a row committed since can have: its transaction took
   its xid after the snapshot's xmin, so after an earlier claim whose own xid is
   older than that xmin, and so after that claim's statement time; a row is
-  inserted within :data:`LATE_INSERT_SECONDS` of its ``created_at`` unless
-  ``relay_late``'s default flagged it, and flagged rows the claim finds by themselves.
+  inserted within :data:`LATE_INSERT_SECONDS` of its ``created_at`` unless the
+  late-insert trigger flagged it, and flagged rows the claim finds by themselves.
 
 Until the relay has seen a claim whose xid is older than a snapshot's xmin (at
 start, or while a transaction that has written stays open), the bound is unknown
@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-# A row inserted more than this long after its transaction began is flagged late
-# (relay_late's default, sql/install/004_late_rows.sql), and every claim walks back
-# this far behind the bound. Long enough that a request's transaction is never late; short
+# A row inserted more than this long after its created_at is flagged late by the
+# trigger (sql/install/004_late_rows.sql), and every claim walks back this far
+# behind the bound. Long enough that a request's transaction is never late; short
 # enough that the walk back costs little.
 LATE_INSERT_SECONDS = 1.0
 
@@ -74,7 +74,7 @@ class ClaimStart:
         return FROM_FIRST_ENTRY if self._disabled or self._rewind else self._key
 
     def disable(self) -> None:
-        """Every claim from the first entry: relay_late's default is missing."""
+        """Every claim from the first entry: the late-insert trigger is missing."""
         self._disabled = True
 
     def observe(self, summary: ClaimSummary, used: StartKey) -> None:

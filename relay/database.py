@@ -137,9 +137,9 @@ async def translated(doing: str) -> AsyncIterator[None]:
 @dataclass(frozen=True)
 class SetupReport:
     trigger_present: bool
-    # Without relay_late's default every claim walks from the claim index's first
+    # Without the late-insert trigger every claim walks from the claim index's first
     # entry (relay/claimstart.py).
-    late_default_present: bool
+    late_trigger_present: bool
     # Rows found at the cap without relay_dead_at, or dead as an earlier version left
     # them (not holding their subject), and marked dead now (the adopt_dead query).
     adopted_dead: int
@@ -419,11 +419,13 @@ class Database:
             found = await aio.call(cursor.fetchone)
             trigger = bool(found and found[0])
             cursor = await aio.call(
-                conn.execute, query(self.names, "late_default_present"), {"table": table_text}
+                conn.execute,
+                query(self.names, "trigger_present"),
+                {"table": table_text, "trigger": self.names.late_trigger_name},
             )
             found = await aio.call(cursor.fetchone)
-            late_default = bool(found and found[0])
-            if not late_default:
+            late_trigger = bool(found and found[0])
+            if not late_trigger:
                 # Without it a late row could sit before the start key unseen.
                 self.claim_start.disable()
             cursor = await aio.call(
@@ -433,7 +435,7 @@ class Database:
             )
             adopted = cursor.rowcount
         return SetupReport(
-            trigger_present=trigger, late_default_present=late_default, adopted_dead=adopted
+            trigger_present=trigger, late_trigger_present=late_trigger, adopted_dead=adopted
         )
 
     async def backlog(self, max_attempts: int) -> Backlog:

@@ -26,8 +26,8 @@ BACKLOG_DUTY = 20.0
 # A horizon held longer than this is logged (once, then when it lets go).
 HORIZON_WARNING = 300.0
 
-# How often the sweep looks for a live row before where the claims start (a
-# created_at given older than its transaction): found within this, and published.
+# How often the sweep looks for a live row before where the claims start (a row put
+# back by hand, a clock stepped back): found within this, and published.
 SWEEP_INTERVAL = 60.0
 
 
@@ -79,9 +79,8 @@ async def _read_backlog(config: Config, database: Database, metrics: Metrics) ->
 async def _sweep(config: Config, database: Database) -> None:
     if await database.sweep():
         log.warning(
-            "a live row of %s sits before where the claims start (a created_at older than "
-            "its transaction, or a row put back by hand): the next claim walks from the "
-            "first entry",
+            "a live row of %s sits before where the claims start (a row put back by hand, "
+            "or a clock stepped back): the next claim walks from the first entry",
             config.table_display,
         )
         database.claim_start.rewind()

@@ -107,12 +107,15 @@ class Names:
     published_idx_qualified: sql.Identifier
     notify_function: sql.Identifier
     notify_trigger: sql.Identifier
+    late_function: sql.Identifier
+    late_trigger: sql.Identifier
     late_idx: sql.Identifier
     late_idx_qualified: sql.Identifier
     channel: sql.Literal
     idle_lock_key1: sql.Literal
     idle_lock_key2: sql.Literal
     trigger_name: str
+    late_trigger_name: str
     # The same objects' names as text literals, for catalog checks (to_regclass).
     catalog_names: dict[str, sql.Literal]
 
@@ -147,12 +150,15 @@ class Names:
             published_idx_qualified=sql.Identifier(*schema, f"{base}_relay_published_idx"),
             notify_function=sql.Identifier(*schema, f"{base}_relay_notify"),
             notify_trigger=sql.Identifier(f"{base}_relay_notify"),
+            late_function=sql.Identifier(*schema, f"{base}_relay_late"),
+            late_trigger=sql.Identifier(f"{base}_relay_late"),
             late_idx=sql.Identifier(f"{base}_relay_late_idx"),
             late_idx_qualified=sql.Identifier(*schema, f"{base}_relay_late_idx"),
             channel=sql.Literal(config.channel),
             idle_lock_key1=sql.Literal(IDLE_LOCK_CLASS),
             idle_lock_key2=sql.Literal(idle_lock_key(config)),
             trigger_name=f"{base}_relay_notify",
+            late_trigger_name=f"{base}_relay_late",
             catalog_names={
                 "table": sql.Literal(_quoted(*config.table)),
                 "unpublished_idx": sql.Literal(_quoted(*schema, f"{base}_unpublished_idx")),
@@ -179,6 +185,9 @@ class Names:
             old_retry_idx_name=self.catalog_names["old_retry_idx"],
             published_idx_name=self.catalog_names["published_idx"],
             trigger_name=sql.Literal(self.trigger_name),
+            late_trigger_name=sql.Literal(self.late_trigger_name),
+            late_function=self.late_function,
+            late_trigger=self.late_trigger,
             late_idx_name=self.catalog_names["late_idx"],
             late_idx=self.late_idx,
             late_idx_qualified=self.late_idx_qualified,

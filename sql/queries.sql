@@ -64,9 +64,9 @@ end
 -- snapshot: a transaction that commits later has an xid no older than the
 -- snapshot's xmin, so it took its xid after bound_at, the time of an earlier
 -- claim whose own xid is older than that xmin, and a row it inserts then has a
--- created_at no earlier than that, less the late-insert slack, unless relay_late's
--- default flagged it (sql/install/004_late_rows.sql): those, and rows `requeue`
--- brought back, are found through their own small index.
+-- created_at no earlier than that, less the late-insert slack, unless the late-insert
+-- trigger flagged it (relay_late, sql/install/004_late_rows.sql): those, and rows
+-- `requeue` brought back, are found through their own small index.
 -- A start_at of '-infinity' walks from the first entry (at start, and to rewind).
 --
 -- Each walk reads at most two batches' worth and stops, however many rows share a
@@ -239,12 +239,6 @@ select count(*) from pg_attribute
    and attname in ('relay_retry_at', 'relay_last_error', 'relay_dead_at', 'relay_seq',
                    'relay_skipped_at', 'relay_late')
    and not attisdropped;
-
--- name: late_default_present
--- relay_late's default, which flags rows inserted long after their transaction began.
-select count(*) from pg_attrdef d
-  join pg_attribute a on a.attrelid = d.adrelid and a.attnum = d.adnum
- where d.adrelid = %(table)s::regclass and a.attname = 'relay_late';
 
 -- name: trigger_present
 select count(*) from pg_trigger
@@ -450,8 +444,8 @@ select coalesce((select n_dead_tup from pg_stat_user_tables
 
 -- name: sweep
 -- Off the claim's path, now and then: whether a live row sits before where this
--- relay's claims start (a created_at given older than its transaction, a row put
--- back by hand, a clock stepped back), which no claim would find. Walks the claim
+-- relay's claims start (a row put back by hand, a clock stepped back, a late row
+-- inserted while the trigger was missing), which no claim would find. Walks the claim
 -- index from its first entry, once.
 select exists (
   select 1

@@ -5,6 +5,8 @@
 -- them by hand once no relay runs, if you must).
 drop trigger if exists {notify_trigger} on {table};
 drop function if exists {notify_function}();
+drop trigger if exists {late_trigger} on {table};
+drop function if exists {late_function}();
 drop index if exists {late_idx_qualified};
 drop index if exists {claim_idx_qualified};
 drop index if exists {retry_idx_qualified};
@@ -17,11 +19,6 @@ begin
                join pg_attribute a on a.attrelid = d.adrelid and a.attnum = d.adnum
               where d.adrelid = {table_name}::regclass and a.attname = 'relay_seq') then
     alter table {table} alter column relay_seq drop default;
-  end if;
-  if exists (select 1 from pg_attrdef d
-               join pg_attribute a on a.attrelid = d.adrelid and a.attnum = d.adnum
-              where d.adrelid = {table_name}::regclass and a.attname = 'relay_late') then
-    alter table {table} alter column relay_late drop default;
   end if;
 end
 $$;

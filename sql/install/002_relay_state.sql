@@ -13,7 +13,7 @@
 -- relay_skipped_at: when an operator gave up on the row (`outbox-relay skip`): it
 -- stays in the table, unpublished, and no longer holds its subject back.
 -- relay_late: the row may sit before the relays' start keys: inserted long after
--- its transaction began, or brought back by `requeue` (sql/install/004_late_rows.sql).
+-- its created_at, or brought back by `requeue` (sql/install/004_late_rows.sql).
 -- relay_seq: insertion order (below).
 --
 -- Every change is made only when missing (checked in the catalog first), so an

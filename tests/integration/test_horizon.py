@@ -321,13 +321,13 @@ def test_retention_walks_on_from_its_last_row_past_the_dead_entries_it_left(db_u
         reporting.rollback()
 
 
-def test_the_sweep_finds_a_backfilled_row_before_the_start_key_and_a_rewind_claims_it(db_url):
-    # A created_at given explicitly, older than its transaction (a backfill): nothing
+def test_the_sweep_finds_a_row_put_back_by_hand_and_a_rewind_claims_it(db_url):
+    # A published row set unpublished again by hand (not with `requeue`): nothing
     # flags it, and the claims start past it. The sweep (off the claim's path, every
     # minute in the relay) sees it, and the next claim walks from the first entry.
     async def test(claims: Claims) -> None:
-        insert(db_url, "other", 3)
-        await claims.drain()
+        [put_back] = insert(db_url, "e1")
+        assert await claims.drain() == [put_back]
         wait_out_the_late_insert_slack(db_url)
         for _ in range(3):
             insert(db_url, "other", 3)
@@ -342,14 +342,13 @@ def test_the_sweep_finds_a_backfilled_row_before_the_start_key_and_a_rewind_clai
             return bool(found)
 
         assert not swept()
-        [backfilled] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00")
-        assert database.fetch(
-            db_url, "select relay_late from outbox_events where id = %s", (backfilled,)
-        ) == [(None,)]
+        database.execute(
+            db_url, "update outbox_events set published_at = null where id = %s", (put_back,)
+        )
         assert await claims.drain() == []  # past the start key: no claim sees it
         assert swept()
         claims.start.rewind()
-        assert await claims.drain() == [backfilled]
+        assert await claims.drain() == [put_back]
         assert not swept()
 
     run(db_url, test)
