@@ -20,12 +20,12 @@ import pytest
 from relay import backlog
 from relay.claimstart import FROM_FIRST_ENTRY, LATE_INSERT_SECONDS, ClaimStart, StartKey
 from relay.config import Config
-from relay.database import POOLED_CONNECTION, Database, Transaction
+from relay.database import POOLED_CONNECTION, Transaction
 from relay.marks import FailureMark, Marks
 from relay.model import OutboxRow
 from relay.sqlfiles import Names, claim_parameters, query
 from tests.support import database
-from tests.support.database import Event
+from tests.support.database import Event, relay_session
 from tests.support.relayproc import wait_until
 
 pytestmark = pytest.mark.integration
@@ -98,15 +98,6 @@ def wait_out_the_late_insert_slack(url: str) -> None:
         timeout=LATE_INSERT_SECONDS + 10,
         message="the late-insert slack to pass",
     )
-
-
-def relay_session(url: str) -> psycopg.Connection[Any]:
-    """A connection with the relay's session settings (its planner settings too)."""
-    conn = psycopg.connect(url)
-    for name, value in Database(Config(database_url=url)).session_settings.items():
-        conn.execute("select set_config(%s, %s, false)", (name, value))
-    conn.commit()
-    return conn
 
 
 def claim_index_entries(url: str, start: StartKey) -> int:

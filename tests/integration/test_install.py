@@ -20,7 +20,7 @@ from relay.errors import DatabaseUnavailable
 from relay.marks import FailureMark, Marks
 from relay.sqlfiles import Names, claim_parameters, query
 from tests.support import database
-from tests.support.database import Event
+from tests.support.database import Event, relay_session
 from tests.support.servers import SHARED_PG_URL
 
 pytestmark = pytest.mark.integration
@@ -367,15 +367,6 @@ def claim_plan(conn, batch_size: int = 500) -> str:
     ).fetchall()
     conn.rollback()
     return "\n".join(line for (line,) in lines)
-
-
-def relay_session(url: str) -> psycopg.Connection[Any]:
-    """A connection with the relay's session settings (timeouts, planner settings)."""
-    conn = psycopg.connect(url)
-    for name, value in Database(Config(database_url=url)).session_settings.items():
-        conn.execute("select set_config(%s, %s, false)", (name, value))
-    conn.commit()
-    return conn
 
 
 def assert_claim_reads_about_a_batch(plan: str, batch_size: int = 500) -> None:

@@ -116,3 +116,12 @@ def dead_count(url: str, max_attempts: int) -> int:
             (max_attempts,),
         )[0][0]
     )
+
+
+def relay_session(url: str) -> psycopg.Connection[Any]:
+    """A connection with the relay's session settings (timeouts, planner settings)."""
+    conn = psycopg.connect(url)
+    for name, value in relay_database.Database(Config(database_url=url)).session_settings.items():
+        conn.execute("select set_config(%s, %s, false)", (name, value))
+    conn.commit()
+    return conn
