@@ -535,15 +535,19 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
                 faults.append(f"postgres path {mode}")
             for mode in ("stall", "drop", "cut", "reset"):
                 step()
-                # Held until a publish failed for it: 2 s of a stalled path can pass
-                # before the client notices anything, and a fault that did nothing is
-                # not a fault survived.
+                # Held until the relays felt it (a publish failed, or a relay lost its
+                # connection, which it then does not publish on): 2 s of a stalled path
+                # can pass before the client notices anything, and a fault that did
+                # nothing is not a fault survived.
                 failed_before = publish_failures(relays)
                 nats_proxy.set_mode(mode)
                 wait_until(
-                    lambda before=failed_before: publish_failures(relays) > before,
+                    lambda before=failed_before: (
+                        publish_failures(relays) > before
+                        or any(r.metric("outbox_relay_nats_connected") == 0 for r in relays)
+                    ),
                     timeout=60,
-                    message=f"nats path {mode} to fail a publish",
+                    message=f"nats path {mode} to fail a publish or a connection",
                 )
                 nats_proxy.set_mode("pass")
                 faults.append(f"nats path {mode}")
