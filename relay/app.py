@@ -291,10 +291,23 @@ def run(config: Config) -> int:
 
     try:
         trio.run(main)
-    except SetupError as exc:
-        log.error("cannot start: %s", exc)
-        return 2
-    except ConfigError as exc:
-        log.error("%s", exc)
+    except BaseException as exc:  # re-raised unless it is a start failure
+        failure = start_failure(exc)
+        if failure is None:
+            raise
+        log.error("cannot start: %s" if isinstance(failure, SetupError) else "%s", failure)
         return 2
     return 0
+
+
+def start_failure(exc: BaseException) -> SetupError | ConfigError | None:
+    """The setup or configuration error that stopped the start, alone or as the
+    only kind of error in a nursery's exception group (a task found it); None for
+    anything else, which is a crash."""
+    if isinstance(exc, SetupError | ConfigError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found, rest = exc.split((SetupError, ConfigError))
+        if found is not None and rest is None:
+            return start_failure(found.exceptions[0])
+    return None

@@ -295,7 +295,8 @@ def atomic_batch_headers(
 
 # How long the relay trusts what it read of the streams' configuration (which mode
 # each allows) before reading it again; and after a failed read, before trying again.
-STREAM_MODES_TTL = 30.0
+STREAM_MODES_TTL = 30.0  # a fallback: a stream's change is heard as it happens
+STREAM_ADVISORIES = ("CREATED", "UPDATED", "DELETED")
 STREAM_MODES_RETRY = 5.0
 STREAM_MODES_READ_TIMEOUT = 1.0
 
@@ -377,7 +378,9 @@ class Broker:
         self._modes: dict[str, PublishMode] = {}
         self._streams_due = 0.0  # loop time of the next read of the streams' modes
         self._streams_reading: asyncio.Task[None] | None = None
-        self._streams_known = False  # a read of the streams has succeeded
+        # No read has succeeded since connect or since a stream changed: until one
+        # does, every subject goes per message, which any stream takes.
+        self._streams_stale = True
 
     @property
     def connected(self) -> bool:
@@ -406,6 +409,8 @@ class Broker:
         async def reconnected() -> None:
             url = self._nc.connected_url if self._nc else None
             log.info("NATS reconnected to %s", redact_nats_url(url.geturl()) if url else "?")
+            self._streams_stale = True  # a change while away sent no advisory here
+            self._streams_due = 0.0
             self._on_change(True)
 
         async def error(exc: Exception) -> None:
@@ -439,7 +444,25 @@ class Broker:
             raise BrokerUnavailable(f"cannot connect to NATS at {servers}: {exc}") from exc
         check_nats_internals(self._nc)
         self._js = self._nc.jetstream()
+        await aio.call(self._watch_streams, self._nc)
         self._on_change(True)
+
+    async def _watch_streams(self, nc: Client) -> None:
+        """asyncio side: a stream created, changed or deleted makes the next batch
+        read the streams' modes first, instead of up to STREAM_MODES_TTL later (a
+        stream scaled to three replicas must stop getting fast batches at once).
+        Without the permission to subscribe, the server refuses, the client error
+        is logged, and the periodic read remains."""
+
+        async def changed(msg: Msg) -> None:
+            stream = msg.subject.rsplit(".", 1)[-1]
+            action = msg.subject.split(".")[-2].lower()
+            log.info("stream %s %s: reading the streams' publish modes again", stream, action)
+            self._streams_stale = True
+            self._streams_due = 0.0
+
+        for action in STREAM_ADVISORIES:
+            await nc.subscribe(f"$JS.EVENT.ADVISORY.STREAM.{action}.*", cb=changed)
 
     async def duplicate_windows(self) -> list[tuple[str, float]]:
         """Every stream this connection can see, with its duplicate window in seconds."""
@@ -475,21 +498,21 @@ class Broker:
         that captures it ("" for none), from what was last read of the streams. Once
         that is STREAM_MODES_TTL seconds old, it is read again beside the batch, not
         in its way: a batch holds its row locks, and a read can take up to
-        STREAM_MODES_READ_TIMEOUT. Only until a first read has succeeded does a batch
-        wait for one; while none succeeds, every subject goes per message."""
+        STREAM_MODES_READ_TIMEOUT. After a (re)connect or a stream's change a batch
+        waits for a read; until one succeeds, every subject goes per message."""
         loop = asyncio.get_running_loop()
-        if not self._streams_known:
-            # Nothing read yet (a batch before the read at connect ended): read now,
-            # or a stream that takes batches would get its first rows per message.
+        due = loop.time() >= self._streams_due
+        if self._streams_stale and due:
+            # Nothing read since connect or since a stream changed: read now, or a
+            # stream that takes batches would get its first rows per message.
             await self._read_stream_modes(loop)
-        elif loop.time() >= self._streams_due and (
-            self._streams_reading is None or self._streams_reading.done()
-        ):
+        elif due and (self._streams_reading is None or self._streams_reading.done()):
             self._streams_reading = loop.create_task(self._read_stream_modes(loop))
+        streams = [] if self._streams_stale else self._streams
         version = self.server_version
         plan: dict[str, tuple[PublishMode, str]] = {}
         for subject in subjects:
-            stream = stream_for(subject, self._streams)
+            stream = stream_for(subject, streams)
             mode = choose_mode(stream, version, self._publish_mode)
             plan[subject] = (mode, stream.name if stream else "")
         return plan
@@ -514,7 +537,7 @@ class Broker:
             self._streams_due = loop.time() + STREAM_MODES_RETRY
             return
         self._streams_due = loop.time() + STREAM_MODES_TTL
-        self._streams_known = True
+        self._streams_stale = False
         self._streams = [
             StreamModes(
                 name=c.name or "?",

@@ -411,20 +411,16 @@ class Database:
                     "relay_skipped_at, relay_late): "
                     "run `outbox-relay install`"
                 )
-            cursor = await aio.call(
-                conn.execute,
-                query(self.names, "trigger_present"),
-                {"table": table_text, "trigger": self.names.trigger_name},
-            )
-            found = await aio.call(cursor.fetchone)
-            trigger = bool(found and found[0])
-            cursor = await aio.call(
-                conn.execute,
-                query(self.names, "trigger_present"),
-                {"table": table_text, "trigger": self.names.late_trigger_name},
-            )
-            found = await aio.call(cursor.fetchone)
-            late_trigger = bool(found and found[0])
+            present = []
+            for name in (self.names.trigger_name, self.names.late_trigger_name):
+                cursor = await aio.call(
+                    conn.execute,
+                    query(self.names, "trigger_present"),
+                    {"table": table_text, "trigger": name},
+                )
+                found = await aio.call(cursor.fetchone)
+                present.append(bool(found and found[0]))
+            trigger, late_trigger = present
             if not late_trigger:
                 # Without it a late row could sit before the start key unseen.
                 self.claim_start.disable()

@@ -210,3 +210,28 @@ def test_a_message_just_under_max_payload_is_published_in_every_mode(
     wait_until(lambda: database.unpublished_count(db_url) == 0, 60, message="every row published")
     assert_each_once_in_order(stream, [*sent, after])
     assert relay.metric("outbox_relay_dead_rows") == 0
+
+
+def test_a_stream_changed_is_read_again_before_the_next_batch(db_url, start_relay, nats215):
+    """A stream that stops taking fast batches (as one scaled to three replicas
+    must) gets the next rows per message: the relay hears the server's advisory and
+    reads the streams again first, not up to 30 s later."""
+    stream = TestStream(nats215.url, **BOTH)
+    relay = start_relay(nats_url=nats215.url, batch_size=300, **FAST)
+    sent = events(stream, 600, subjects=20)
+    database.insert(db_url, sent[:300])
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 60, message="first rows published")
+    assert relay.metric("outbox_relay_publish_mode", stream=stream.name, mode="batch") == 1
+    batches = relay.metric("outbox_relay_batch_publishes_total", mode="batch", outcome="stored")
+    stream.update(stream.name, allow_batched=False)
+    wait_until(
+        lambda: f"stream {stream.name} updated: reading" in relay.logs(),
+        30,
+        message="the relay heard of the change",
+    )
+    database.insert(db_url, sent[300:])
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 60, message="every row published")
+    assert relay.metric("outbox_relay_publish_mode", stream=stream.name, mode="message") == 1
+    after = relay.metric("outbox_relay_batch_publishes_total", mode="batch", outcome="stored")
+    assert after == batches, "a fast batch went to a stream that no longer takes them"
+    assert_each_once_in_order(stream, sent)

@@ -8,10 +8,13 @@ from itertools import pairwise
 import psycopg
 import pytest
 
+from relay import app, natsinternals
 from relay.backoff import row_retry_delay
+from relay.config import Config
 from tests.support import database
 from tests.support.database import Event
 from tests.support.relayproc import run_cli, wait_until
+from tests.support.servers import SHARED_NATS_URL
 from tests.support.stream import TestStream
 
 pytestmark = pytest.mark.integration
@@ -393,3 +396,21 @@ def test_backoff_holds_across_a_restart(db_url, refusing, start_relay):
     assert row["published_at"] is None  # still waiting out the 20 s from before
     database.execute(db_url, "update outbox_events set relay_retry_at = now()")
     wait_until(lambda: database.unpublished_count(db_url) == 0, message="retry after backoff")
+
+
+def test_a_nats_py_without_its_write_queue_stops_the_start_in_one_line(db_url, monkeypatch, caplog):
+    """The check of nats-py's internals runs in a nursery task, after connect: its
+    SetupError reaches the command line as one line and exit status 2, not as an
+    exception group's traceback."""
+
+    def renamed_queue(nc: object) -> None:
+        natsinternals.check(object())  # type: ignore[arg-type]  # a client with no queue
+
+    monkeypatch.setattr("relay.broker.check_nats_internals", renamed_queue)
+    config = Config(database_url=db_url, nats_urls=(SHARED_NATS_URL,), metrics_port=0)
+    assert app.run(config) == 2
+    failures = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert failures == [
+        "cannot start: this nats-py has no _pending write queue, _pending_data_size or "
+        "_transport: install a release pyproject.toml allows (the relay writes through them)"
+    ]

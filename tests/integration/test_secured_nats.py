@@ -170,7 +170,10 @@ def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
             f"      subscribe: {{ allow: {conf_list(subscribe)} }}\n    }} }}\n"
             '    { user: "auditing", password: "auditing", permissions: {\n'
             f"      publish: {{ allow: {conf_list(auditing)} }}\n"
-            f"      subscribe: {{ allow: {conf_list(subscribe)} }}\n    }} }}\n  ]\n}}\n"
+            f"      subscribe: {{ allow: {conf_list(subscribe)} }}\n    }} }}\n"
+            '    { user: "unadvised", password: "unadvised", permissions: {\n'
+            f"      publish: {{ allow: {conf_list(publish)} }}\n"
+            '      subscribe: { allow: ["_INBOX.>"] }\n    } }\n  ]\n}\n'
         )
     )
     try:
@@ -180,6 +183,7 @@ def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
             db_url, start_relay, stream, f"nats://relay:relay@127.0.0.1:{nats.port}"
         )
         assert "could not check the streams' duplicate windows" not in relay.logs()
+        assert "violation" not in relay.logs()
         uncaptured = Event(f"x{token}.nowhere", "account-2")
         denied = Event(f"y{token}.denied", "account-3")
         database.insert(db_url, [uncaptured, denied])
@@ -217,6 +221,15 @@ def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
             message="an audit as the auditing user",
         )
         assert auditor.metric("outbox_relay_audit_failures_total") == 0, auditor.logs()
+        # Without the advisories' subscription the relay still publishes, and says why
+        # a stream's change reaches it only with the periodic read.
+        auditor.stop()
+        database.execute(db_url, "delete from outbox_events")
+        unadvised = start_relay(nats_url=f"nats://unadvised:unadvised@127.0.0.1:{nats.port}")
+        event = Event(stream.subject("unadvised"), "account-4")
+        database.insert(db_url, [event])
+        wait_until(lambda: str(event.id) in [m.msg_id for m in stream.read()], message="published")
+        assert "permissions violation for subscription" in unadvised.logs()
     finally:
         nats.destroy()
 
@@ -244,6 +257,7 @@ def test_a_credentials_file_from_an_operator_mode_server(db_url, start_relay, tm
         assert seed.startswith("SU")
         assert seed not in relay.logs()
         assert "could not check the streams' duplicate windows" not in relay.logs()
+        assert "violation" not in relay.logs()
         stranger = OperatorMode.new().credentials(tmp_path / "stranger.creds", "relay")
         refused(start_relay, nats.url, nats_creds=stranger)
     finally:

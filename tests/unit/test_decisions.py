@@ -11,6 +11,7 @@ import uuid
 import pytest
 from nats.aio.msg import Msg
 
+from relay.app import start_failure
 from relay.backoff import ReconnectBackoff, row_retry_delay
 from relay.broker import (
     PERMISSION_DENIED,
@@ -23,6 +24,7 @@ from relay.broker import (
     short_duplicate_windows,
 )
 from relay.envelope import MSG_ID_HEADER, build_message
+from relay.errors import ConfigError, SetupError
 from relay.marks import BROKER_FAULT_RETRY_MAX, broker_fault_delay, broker_outage, decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
 from relay.ordering import (
@@ -493,3 +495,16 @@ def test_an_unexpected_publish_error_is_the_relays_and_logged_with_its_traceback
     [record] = [r for r in caplog.records if r.levelname == "ERROR"]
     assert record.exc_info is not None
     assert "a bug" in record.exc_text or "a bug" in str(record.exc_info[1])
+
+
+def test_a_start_failure_found_by_a_task_is_one_line_not_a_traceback():
+    setup = SetupError("this nats-py has no _pending write queue")
+    assert start_failure(setup) is setup
+    assert start_failure(ExceptionGroup("tasks", [setup])) is setup
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [setup])])
+    assert start_failure(nested) is setup
+    config = ConfigError("--table", "bad")
+    assert start_failure(ExceptionGroup("tasks", [config])) is config
+    # A bug beside it is a crash, shown whole.
+    assert start_failure(ExceptionGroup("tasks", [setup, KeyError("x")])) is None
+    assert start_failure(KeyError("x")) is None
