@@ -34,7 +34,7 @@ FAST_BATCH_FLOW = 500
 FAST_BATCH_OUTSTANDING_ACKS = 2
 
 
-# relay.broker.api_error: (code, err_code, description) -> the failure it stands for.
+# relay.replies.api_error: (code, err_code, description) -> the failure it stands for.
 ApiErrorClassifier = Callable[[int | None, int | None, str], Failed]
 
 

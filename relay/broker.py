@@ -2,19 +2,16 @@
 pipelined or a batch, read the streams' publish modes. (The audit reads the streams
 through its own connection: relay/audit.py.)
 
-nats-py errors are translated here into :class:`~relay.model.Failed` values
-(one per message) or :class:`~relay.errors.BrokerUnavailable`.
+nats-py errors are translated into :class:`~relay.model.Failed` values, one per
+message (relay/replies.py), or :class:`~relay.errors.BrokerUnavailable`; the frames
+and inboxes of a wave or a batch are in relay/inboxes.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
-import re
 import ssl
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -28,270 +25,32 @@ from nats.js import JetStreamContext
 
 from relay import aio
 from relay.batchreplies import (
-    FAST_BATCH_FLOW,
-    NO_RESPONDERS,
     AtomicBatch,
     FastBatch,
     Reply,
     decode,
     decode_failure,
-    error_failure,
 )
 from relay.config import Config, redact_nats_url
 from relay.envelope import Message
 from relay.errors import BrokerUnavailable
-from relay.model import Acked, Failed, FailureReason, PublishResult
+from relay.inboxes import (
+    AckInbox,
+    BatchInbox,
+    Wave,
+    atomic_batch_headers,
+    batch_outcome,
+    fast_batch_reply,
+    hpub_frame,
+)
+from relay.logs import RepeatedWarnings
+from relay.model import Failed, FailureReason, PublishResult
 from relay.natsinternals import check as check_nats_internals
 from relay.natsinternals import queue_frames, send_queued
+from relay.replies import NO_STREAM, NO_STREAM_QUESTION_TIMEOUT, api_error, classify, denied_subject
 from relay.streams import PublishMode, StreamModes, choose_mode, describe_modes, stream_for
 
 log = logging.getLogger(__name__)
-
-_DISCONNECTED_ERRORS = (
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.ConnectionDrainingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.StaleConnectionError,
-)
-
-
-def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, one return a row
-    """The failure a publish exception stands for."""
-    if isinstance(exc, nats.js.errors.NoStreamResponseError):
-        return NO_RESPONDERS
-    if isinstance(exc, nats.errors.MaxPayloadError):
-        return Failed(FailureReason.TOO_LARGE, "message exceeds the server's max_payload")
-    if isinstance(exc, nats.errors.BadSubjectError):
-        return Failed(FailureReason.INVALID_SUBJECT, "the client rejected the subject")
-    if isinstance(exc, _DISCONNECTED_ERRORS):
-        return Failed(FailureReason.DISCONNECTED, f"not connected to NATS ({exc})")
-    if isinstance(exc, asyncio.TimeoutError | nats.errors.TimeoutError):
-        return Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
-    if isinstance(exc, nats.js.errors.APIError):
-        return api_error(exc.code, exc.err_code, exc.description or str(exc))
-    # Not the row's: a bug of the relay's or of nats-py's. Its traceback is the lead.
-    log.error("unexpected error publishing a message", exc_info=exc)
-    return Failed(FailureReason.RELAY_ERROR, f"{exc.__class__.__name__}: {exc}")
-
-
-NO_STREAM = Failed(FailureReason.NO_STREAM, "no stream captures the subject")
-PERMISSION_DENIED = Failed(
-    FailureReason.PERMISSION_DENIED,
-    "NATS denies the relay's user publishing on the subject (its publish permissions)",
-)
-# The server's -ERR for a publish its permissions deny, as nats-py hands it to the
-# error callback; the server drops the message and sends no ack.
-_PUBLISH_DENIED = re.compile(r'permissions violation for publish.* to "([^"]+)"', re.IGNORECASE)
-
-
-def denied_subject(error: str) -> str | None:
-    """The subject of a publish-permission violation, or None for any other error."""
-    match = _PUBLISH_DENIED.search(error)
-    return match.group(1) if match else None
-
-
-# How long to wait for JetStream to say which stream captures a subject.
-NO_STREAM_QUESTION_TIMEOUT = 1.0
-
-# JetStream errors (nats-server's errors.json) that say the stream or the cluster
-# cannot store anything right now: storage or account limits reached ("maximum
-# messages exceeded" with discard new is a store failure), a stream offline, a
-# cluster or raft group without a leader, too many requests in flight.
-_BROKER_STATE_ERRORS = frozenset({
-    10002,  # resource limits exceeded for account
-    10008,  # JetStream system temporarily unavailable
-    10009,  # JetStream cluster can not handle request
-    10023,  # insufficient resources
-    10028,  # insufficient memory resources available
-    10041,  # general raft error
-    10047,  # insufficient storage resources available
-    10077,  # storing a message failed (maximum messages, bytes or per subject; disk)
-    10118,  # stream is offline
-    10158,  # duplicate message id is in process (another publish of it in flight)
-    10167,  # too many requests
-    10194,  # stream is offline (with a reason)
-})  # fmt: skip
-
-
-def api_error(code: int | None, err_code: int | None, description: str) -> Failed:
-    """The failure a JetStream API error reply stands for: the broker's when it says
-    the stream cannot store anything now (a 5xx or 429 status, or one of the codes
-    above), otherwise a refusal of this message, counted against the row."""
-    detail = f"JetStream refused the message: {description} (err_code {err_code})"
-    if (code is not None and (code >= 500 or code == 429)) or err_code in _BROKER_STATE_ERRORS:
-        return Failed(FailureReason.STREAM_UNAVAILABLE, detail)
-    return Failed(FailureReason.REFUSED, detail)
-
-
-def short_duplicate_windows(
-    windows: Iterable[tuple[str, float]], minimum: float
-) -> list[tuple[str, float]]:
-    """The streams, of (name, duplicate window in seconds), that forget a message id
-    before ``minimum`` seconds: a row whose ack was lost and that is retried after
-    that long is stored again, under the same id."""
-    return sorted((name, window) for name, window in windows if window < minimum)
-
-
-_PLAIN_ACK = b'{"stream":'
-_ACKED = Acked(duplicate=False)
-
-
-def parse_ack(msg: Msg) -> PublishResult:  # noqa: PLR0911 - one return per kind of reply
-    """A JetStream reply: a PubAck, an API error, or "no responders"."""
-    if msg.headers and msg.headers.get("Status") == "503":
-        return NO_RESPONDERS
-    data = msg.data
-    if data.startswith(_PLAIN_ACK) and b'"error"' not in data and b'"duplicate"' not in data:
-        return _ACKED  # the common case, {"stream":"X", "seq":N}, without a JSON parse
-    try:
-        reply = json.loads(msg.data)
-    except ValueError:
-        return Failed(FailureReason.RELAY_ERROR, f"unreadable JetStream reply: {msg.data[:200]!r}")
-    if not isinstance(reply, dict):
-        return Failed(FailureReason.RELAY_ERROR, f"unexpected JetStream reply: {msg.data[:200]!r}")
-    error = reply.get("error")
-    if isinstance(error, dict):
-        return error_failure(error, api_error)[1]
-    if error is not None:
-        return Failed(FailureReason.REFUSED, f"JetStream refused the message: {error}")
-    if "stream" not in reply:
-        return Failed(FailureReason.RELAY_ERROR, f"not a PubAck: {msg.data[:200]!r}")
-    return Acked(duplicate=bool(reply.get("duplicate", False)))
-
-
-def hpub_frame(subject: str, reply: str, headers: Mapping[str, str], body: bytes) -> bytes:
-    """One HPUB protocol frame, as nats-py's publish writes it (a test holds the two
-    byte for byte), built in one step: a batch needs neither nats-py's per-message
-    checks (the subject and size were checked when the row was) nor its per-message
-    queueing, which cost a fast batch more than the rest of its sending."""
-    head = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
-    block = head.encode()
-    size = len(block)
-    command = (
-        f"HPUB {subject} {reply} {size} {size + len(body)}\r\n"
-        if reply
-        else (f"HPUB {subject} {size} {size + len(body)}\r\n")
-    )
-    return command.encode() + block + body + b"\r\n"
-
-
-class _Wave:
-    """The acks one wave waits for: a result slot per message, and one future that
-    is set when the last outstanding ack arrives (one wake-up per wave, not one per
-    message: each asyncio callback costs a trip through trio's scheduler)."""
-
-    __slots__ = ("done", "pending", "results", "tokens")
-
-    def __init__(self, size: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.results: list[PublishResult | None] = [None] * size
-        self.tokens: list[str] = []
-        self.pending = 0
-        self.done: asyncio.Future[None] = loop.create_future()
-
-    def settle(self, index: int, result: PublishResult) -> None:
-        if self.results[index] is None:
-            self.results[index] = result
-            self.pending -= 1
-            if self.pending == 0 and not self.done.done():
-                self.done.set_result(None)
-
-
-class _AckInbox:
-    """Pipelined JetStream publishing: every message carries a reply subject under
-    one wildcard inbox, and each reply settles its message's slot in its wave.
-
-    nats-py's own publish_async raises API errors inside its reply callback instead
-    of failing the message's future, so a refused message would only surface as a
-    timeout; this inbox turns every reply into a result."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self._next = 0
-        self._waiting: dict[str, tuple[_Wave, int, str]] = {}
-
-    def expect(self, wave: _Wave, index: int, subject: str) -> str:
-        """The reply subject for message ``index`` of ``wave``, published on ``subject``."""
-        self._next += 1
-        token = str(self._next)
-        self._waiting[token] = (wave, index, subject)
-        wave.tokens.append(token)
-        wave.pending += 1
-        return self.prefix + token
-
-    def forget(self, wave: _Wave) -> None:
-        """Stop waiting for ``wave``'s outstanding acks (its deadline passed)."""
-        for token in wave.tokens:
-            self._waiting.pop(token, None)
-
-    async def on_reply(self, msg: Msg) -> None:
-        entry = self._waiting.pop(msg.subject[len(self.prefix) :], None)
-        if entry is not None:
-            wave, index, _ = entry
-            wave.settle(index, parse_ack(msg))
-
-    def deny(self, subject: str) -> None:
-        """Settle every message waiting on ``subject`` as denied: the server dropped
-        them and will send no ack, so waiting would only spend the publish timeout."""
-        denied = [t for t, (_, _, s) in self._waiting.items() if s == subject]
-        for token in denied:
-            wave, index, _ = self._waiting.pop(token)
-            wave.settle(index, PERMISSION_DENIED)
-
-
-class _BatchInbox:
-    """The replies of batch publishes: one wildcard subscription, each reply routed
-    by the batch id that its subject carries to that batch's handler, with the
-    sequence of the message it answers (the reply subject's last number before
-    the fast-batch suffix, or its last token for an atomic batch)."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self._open: dict[str, Callable[[int, Msg], None]] = {}
-
-    def open(self, batch_id: str, handler: Callable[[int, Msg], None]) -> None:
-        self._open[batch_id] = handler
-
-    def close(self, batch_id: str) -> None:
-        self._open.pop(batch_id, None)
-
-    async def on_reply(self, msg: Msg) -> None:
-        tokens = msg.subject[len(self.prefix) :].split(".")
-        handler = self._open.get(tokens[0])
-        if handler is None:
-            return
-        seq_token = tokens[-3] if tokens[-1] == "$FI" and len(tokens) >= 4 else tokens[-1]
-        handler(int(seq_token) if seq_token.isdigit() else 0, msg)
-
-
-def batch_outcome(results: Sequence[PublishResult | None]) -> str:
-    """The ``outcome`` label of a batch publish: every message stored, stopped at a
-    message the stream refused, or unanswered (a timeout, the broker's failure)."""
-    if all(isinstance(result, Acked) for result in results):
-        return "stored"
-    if any(isinstance(r, Failed) and r.reason.broker_fault for r in results):
-        return "unanswered"
-    return "stopped"
-
-
-def fast_batch_reply(prefix: str, batch_id: str, seq: int, last: int) -> str:
-    """A fast batch message's reply subject (ADR-50):
-    ``<prefix>.<id>.<flow>.<gap mode>.<seq>.<op>.$FI``, op 0 starting the batch,
-    1 adding to it, 2 storing the last message and committing."""
-    op = 0 if seq == 1 else 2 if seq == last else 1
-    return f"{prefix}{batch_id}.{FAST_BATCH_FLOW}.fail.{seq}.{op}.$FI"
-
-
-def atomic_batch_headers(
-    headers: Mapping[str, str], batch_id: str, seq: int, last: int
-) -> dict[str, str]:
-    """A message's headers in an atomic batch: the batch, its place, and on the last
-    message the commit."""
-    batched = {**headers, "Nats-Batch-Id": batch_id, "Nats-Batch-Sequence": str(seq)}
-    if seq == last:
-        batched["Nats-Batch-Commit"] = "1"
-    return batched
-
 
 # How long the relay trusts what it read of the streams' configuration (which mode
 # each allows) before reading it again; and after a failed read, before trying again.
@@ -299,36 +58,6 @@ STREAM_MODES_TTL = 30.0  # a fallback: a stream's change is heard as it happens
 STREAM_ADVISORIES = ("CREATED", "UPDATED", "DELETED")
 STREAM_MODES_RETRY = 5.0
 STREAM_MODES_READ_TIMEOUT = 1.0
-
-
-_WARNINGS_KEPT = 1000
-
-
-class RepeatedWarnings:
-    """Logs a warning the first time it is seen, then at most once per ``every``
-    seconds with how often it came meanwhile: a refused reconnect every half second
-    must not bury the log."""
-
-    def __init__(self, logger: logging.Logger, every: float = 60.0) -> None:
-        self._log = logger
-        self._every = every
-        self._seen: dict[str, tuple[float, int]] = {}  # message: (last logged, since)
-
-    def warn(self, message: str, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        if len(self._seen) > _WARNINGS_KEPT:
-            self._seen.clear()  # many distinct messages: each is news anyway
-        last, suppressed = self._seen.get(message, (-math.inf, 0))
-        if now - last < self._every:
-            self._seen[message] = (last, suppressed + 1)
-            return
-        self._seen[message] = (now, 0)
-        if suppressed:
-            self._log.warning(
-                "%s (%d more times in the last %.0fs)", message, suppressed, now - last
-            )
-        else:
-            self._log.warning("%s", message)
 
 
 def nats_auth_options(config: Config) -> dict[str, Any]:
@@ -368,8 +97,8 @@ class Broker:
         self._on_change = on_connection_change
         self._nc: Client | None = None
         self._js: JetStreamContext | None = None
-        self._acks: _AckInbox | None = None
-        self._batch_replies: _BatchInbox | None = None
+        self._acks: AckInbox | None = None
+        self._batch_replies: BatchInbox | None = None
         self._warnings = RepeatedWarnings(log)
         self._publish_mode = publish_mode
         self._on_modes_change = on_modes_change
@@ -591,7 +320,7 @@ class Broker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         acks, _ = await self._inboxes(nc)
-        wave = _Wave(len(messages), loop)
+        wave = Wave(len(messages), loop)
         for index, message in enumerate(messages):
             reply = acks.expect(wave, index, message.subject)
             try:
@@ -745,13 +474,13 @@ class Broker:
             state.on_reply(decode_failure(Failed(FailureReason.DISCONNECTED, "not connected")))
         send_queued(nc)
 
-    async def _inboxes(self, nc: Client) -> tuple[_AckInbox, _BatchInbox]:
+    async def _inboxes(self, nc: Client) -> tuple[AckInbox, BatchInbox]:
         """The reply subscriptions, made on first use: one for the acks of single
         messages (``<inbox>.a.<token>``), one for the replies of batches
         (``<inbox>.b.<batch id>...``)."""
         if self._acks is None or self._batch_replies is None:
             inbox = nc.new_inbox()
-            acks, replies = _AckInbox(inbox + ".a."), _BatchInbox(inbox + ".b.")
+            acks, replies = AckInbox(inbox + ".a."), BatchInbox(inbox + ".b.")
             await nc.subscribe(acks.prefix + "*", cb=acks.on_reply)
             await nc.subscribe(replies.prefix + ">", cb=replies.on_reply)
             self._acks, self._batch_replies = acks, replies

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,3 +55,33 @@ def setup_logging(level: str, fmt: str) -> None:
     # The pool logs every failed reconnect as a warning; the relay reports outages
     # itself, once per state change.
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+
+
+_WARNINGS_KEPT = 1000
+
+
+class RepeatedWarnings:
+    """Logs a warning the first time it is seen, then at most once per ``every``
+    seconds with how often it came meanwhile: a refused reconnect every half second
+    must not bury the log."""
+
+    def __init__(self, logger: logging.Logger, every: float = 60.0) -> None:
+        self._log = logger
+        self._every = every
+        self._seen: dict[str, tuple[float, int]] = {}  # message: (last logged, since)
+
+    def warn(self, message: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if len(self._seen) > _WARNINGS_KEPT:
+            self._seen.clear()  # many distinct messages: each is news anyway
+        last, suppressed = self._seen.get(message, (-math.inf, 0))
+        if now - last < self._every:
+            self._seen[message] = (last, suppressed + 1)
+            return
+        self._seen[message] = (now, 0)
+        if suppressed:
+            self._log.warning(
+                "%s (%d more times in the last %.0fs)", message, suppressed, now - last
+            )
+        else:
+            self._log.warning("%s", message)

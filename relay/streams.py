@@ -128,3 +128,12 @@ def describe_modes(modes: Mapping[str, PublishMode]) -> str:
     if not modes:
         return "no streams"
     return ", ".join(f"{name}: {mode}" for name, mode in sorted(modes.items()))
+
+
+def short_duplicate_windows(
+    windows: Iterable[tuple[str, float]], minimum: float
+) -> list[tuple[str, float]]:
+    """The streams, of (name, duplicate window in seconds), that forget a message id
+    before ``minimum`` seconds: a row whose ack was lost and that is retried after
+    that long is stored again, under the same id."""
+    return sorted((name, window) for name, window in windows if window < minimum)

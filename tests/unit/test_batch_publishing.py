@@ -20,17 +20,12 @@ from relay.batchreplies import (
     Reply,
     decode,
 )
-from relay.broker import (
-    api_error,
-    atomic_batch_headers,
-    batch_outcome,
-    fast_batch_reply,
-    hpub_frame,
-)
 from relay.config import Config
 from relay.envelope import Message
 from relay.failpoints import Failpoints
+from relay.inboxes import atomic_batch_headers, batch_outcome, fast_batch_reply, hpub_frame
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
+from relay.replies import api_error
 from relay.streams import PublishMode, StreamModes, choose_mode, stream_for, subject_matches
 
 TIMEOUT = Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")

@@ -13,18 +13,10 @@ from nats.aio.msg import Msg
 
 from relay.app import start_failure
 from relay.backoff import ReconnectBackoff, row_retry_delay
-from relay.broker import (
-    PERMISSION_DENIED,
-    RepeatedWarnings,
-    _AckInbox,
-    _Wave,
-    classify,
-    denied_subject,
-    parse_ack,
-    short_duplicate_windows,
-)
 from relay.envelope import MSG_ID_HEADER, build_message
 from relay.errors import ConfigError, SetupError
+from relay.inboxes import AckInbox, Wave
+from relay.logs import RepeatedWarnings
 from relay.marks import BROKER_FAULT_RETRY_MAX, broker_fault_delay, broker_outage, decide_marks
 from relay.model import Acked, Failed, FailureReason, OutboxRow
 from relay.ordering import (
@@ -34,7 +26,9 @@ from relay.ordering import (
     unsettled_subjects,
 )
 from relay.publishable import rejection, size_problem, subject_problem
+from relay.replies import PERMISSION_DENIED, classify, denied_subject, parse_ack
 from relay.scheduler import linger_for, sleep_retry_pause
+from relay.streams import short_duplicate_windows
 
 T0 = 1_767_225_600.0  # created_at, epoch seconds: 2026-01-01T00:00:00Z
 NOW = T0 + 600.0  # when the marks are decided
@@ -459,7 +453,7 @@ def test_a_publish_the_server_denies_settles_at_once_as_the_brokers():
     assert denied_subject("nats: authorization violation") is None
     loop = asyncio.new_event_loop()
     try:
-        inbox, wave = _AckInbox("_INBOX.r."), _Wave(3, loop)
+        inbox, wave = AckInbox("_INBOX.r."), Wave(3, loop)
         tokens = [inbox.expect(wave, i, s) for i, s in enumerate(["a", "denied", "denied"])]
         inbox.deny("denied")
         assert wave.results == [None, PERMISSION_DENIED, PERMISSION_DENIED]
