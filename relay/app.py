@@ -19,9 +19,9 @@ from relay import aio
 from relay.audit import run_audits
 from relay.backoff import ReconnectBackoff
 from relay.batch import Batch
-from relay.broker import Broker, nats_auth_options, short_duplicate_windows
+from relay.broker import Broker, nats_auth_options
 from relay.config import Config, redact_nats_url, redact_url, show_duration
-from relay.database import Database
+from relay.database import Database, connection_string
 from relay.errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SetupError
 from relay.failpoints import Failpoints
 from relay.gauges import run_gauges
@@ -33,6 +33,8 @@ from relay.metrics import Metrics
 from relay.retention import run_retention
 from relay.retry import retry
 from relay.scheduler import Scheduler
+from relay.schemas import SchemaCheck, Schemas
+from relay.streams import short_duplicate_windows
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class Relay:
         self.listener = Listener(
             connect=functools.partial(
                 PostgresListenConnection.connect,
-                self.database.conninfo,
+                connection_string(config.session_database_url),
                 self.database.names,
                 # A statement unanswered this long means the connection is dead, even
                 # if the kernel has not noticed (a path that drops packets sends no RST).
@@ -69,12 +71,27 @@ class Relay:
             wakeup=self.wakeup,
             health=self.health,
             metrics=self.metrics,
+            self_check=functools.partial(self.database.notify, config.channel),
+            on_checked=self._self_checked,
+            poll_only="--poll-only" if config.poll_only else "",
+        )
+        self.schema_check = SchemaCheck(
+            Schemas.load(config.schemas, required=config.schemas_required)
+            if config.schemas
+            else None,
+            on_rejected=lambda event_type: self.metrics.schema_rejections.labels(
+                event_type=self.metrics.event_type(event_type)
+            ).inc(),
+            on_unchecked=lambda event_type: self.metrics.schemaless_rows.labels(
+                event_type=self.metrics.event_type(event_type)
+            ).inc(),
         )
         batch = Batch(
             config=config,
             database=self.database,
             broker=self.broker,
             failpoints=Failpoints(config.failpoints),
+            schema_check=self.schema_check,
         )
         self.scheduler = Scheduler(
             config=config,
@@ -88,6 +105,29 @@ class Relay:
         self._scheduler_started = False
         self._scheduler_done = trio.Event()
         self.metrics.ready.set_function(lambda: 0.0 if self.health.not_ready_reason() else 1.0)
+
+    def _self_checked(self, heard: bool) -> None:
+        """The LISTEN self-check's answer: on one URL for both, it also tells whether
+        that URL is a transaction pooler (relay/poolers.py)."""
+        if self.database.pooled is None:
+            self.database.learn_pooler(not heard)
+        if heard:
+            return
+        also = (
+            " and, as --database-url is that pooler, preparing nothing and setting "
+            "nothing beyond a transaction"
+            if self.database.pooled and not self.config.listen_database_url
+            else ""
+        )
+        log.warning(
+            "the LISTEN connection hears no notification sent through another connection "
+            "(most likely a transaction pooler, which gives each statement any server "
+            "connection): running on the poll alone, new rows found every %s%s; for LISTEN "
+            "latency give --listen-database-url a direct or session-mode URL, or say "
+            "--poll-only to run without this check",
+            show_duration(self.config.poll_interval),
+            also,
+        )
 
     def _broker_changed(self, connected: bool) -> None:
         self.health.broker = connected
@@ -115,13 +155,18 @@ class Relay:
         reason = self.health.not_ready_reason()
         if reason:
             return 503, "text/plain", f"not ready: {reason}\n".encode()
-        return 200, "text/plain", b"ready\n"
+        return 200, "text/plain", f"ready{self.health.ready_detail()}\n".encode()
 
     # -- tasks ------------------------------------------------------------------
 
     async def _watch_signals(self, cancel_scope: trio.CancelScope) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    # Reread the schemas; a bad one is logged and the old set kept.
+                    if not self.schema_check.reload():
+                        log.info("SIGHUP received: no new schemas in force")
+                    continue
                 log.info("%s received: finishing the batch in flight", signal.Signals(signum).name)
                 self.stop()
                 break

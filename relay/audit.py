@@ -446,7 +446,7 @@ async def audit_once(
 ) -> AuditReport:
     """One audit on a database connection of its own, and on ``nc`` (the relay's
     NATS connection) or one of its own (the CLI's)."""
-    async with await _connect(config) as conn:
+    async with await _connect(config, config.database_url) as conn:
         return await _audit_with(conn, config, since, repair, nc)
 
 
@@ -455,7 +455,8 @@ async def audit_unless_another_relay_does(
 ) -> AuditReport | None:
     """:func:`audit_once` while holding the table's audit lock, so one replica
     audits at a time; None when another holds it."""
-    async with await _connect(config) as conn:
+    # The lock is a session's: on the session URL, never through a transaction pooler.
+    async with await _connect(config, config.session_database_url) as conn:
         cursor = await conn.execute(query(Names.for_config(config), "audit_lock"))
         held = await cursor.fetchone()
         await conn.commit()
@@ -464,9 +465,13 @@ async def audit_unless_another_relay_does(
         return await _audit_with(conn, config, since, False, nc)
 
 
-async def _connect(config: Config) -> psycopg.AsyncConnection[Any]:
+async def _connect(config: Config, url: str) -> psycopg.AsyncConnection[Any]:
     return await psycopg.AsyncConnection.connect(
-        connection_string(config.database_url), application_name="outbox-relay audit"
+        connection_string(url),
+        application_name="outbox-relay audit",
+        # Nothing prepared behind a transaction pooler (a statement psycopg prepares
+        # lives on one server connection).
+        prepare_threshold=None if config.database_pooler == "transaction" else 5,
     )
 
 

@@ -34,6 +34,7 @@ from relay.marks import Marks, decide_marks
 from relay.model import Failed, FailureReason, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
+from relay.schemas import SchemaCheck
 from relay.streams import ATOMIC_BATCH_LIMIT, ATOMIC_HEADER_BYTES, MIN_BATCH_MESSAGES, PublishMode
 
 
@@ -174,11 +175,13 @@ class Batch:
         database: BatchDatabase,
         broker: BatchBroker,
         failpoints: Failpoints,
+        schema_check: SchemaCheck | None = None,
     ) -> None:
         self._config = config
         self._db = database
         self._broker = broker
         self._failpoints = failpoints
+        self._schema_check = schema_check or SchemaCheck(None)
         self._claiming = asyncio.Lock()
         self._in_flight: list[_Flight] = []
 
@@ -280,6 +283,10 @@ class Batch:
             else:
                 message = build_message(row, row.time)
                 rejected = rejection(row.event_type, message.wire_size, max_payload)
+                if rejected is None:
+                    problem = self._schema_check.problem(row.event_type, row.data)
+                    if problem is not None:
+                        rejected = (FailureReason.INVALID_DATA, problem)
             if rejected is not None:
                 results[row.id] = Failed(*rejected)
                 stopped.add(row.subject)  # it goes dead and holds its subject

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import nats.errors
 import psycopg
 
-from relay import __version__, app, audit, backlog, database, sqlfiles
+from relay import __version__, app, audit, backlog, database, schemas, sqlfiles, validate
 from relay.config import (
     RUN_OPTIONS,
     Config,
@@ -37,6 +37,7 @@ _NATS_OPTIONS = (
     "nats_url", "nats_creds", "nats_nkey", "nats_token", "nats_tls_ca", "nats_tls_cert",
     "nats_tls_key",
 )  # fmt: skip
+_VALIDATE_OPTIONS = (*_SQL_OPTIONS, "schemas", "schemas_required")
 # --publish-timeout: how long after its message was stored a row may be marked.
 _AUDIT_OPTIONS = (*_SQL_OPTIONS, *_NATS_OPTIONS, "publish_timeout", "retention", "audit_window")
 
@@ -48,6 +49,8 @@ def _options_for(command: str) -> tuple[Option, ...]:
         return tuple(o for o in RUN_OPTIONS if o.name in _OPERATOR_OPTIONS)
     if command == "audit":
         return tuple(o for o in RUN_OPTIONS if o.name in _AUDIT_OPTIONS)
+    if command == "validate":
+        return tuple(o for o in RUN_OPTIONS if o.name in _VALIDATE_OPTIONS)
     return RUN_OPTIONS
 
 
@@ -69,12 +72,20 @@ def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> 
     for option in options:
         if option.test_only:
             continue
+        described = (
+            f"{option.help} [env {option.env}; default {option.show(default_value(option))}]"
+        )
+        if option.switch:
+            parser.add_argument(
+                option.flag, dest=option.name, action="store_const", const="true", help=described
+            )
+            continue
         parser.add_argument(
             option.flag,
             dest=option.name,
             default=None,
             metavar=option.name.split("_")[-1].upper(),
-            help=f"{option.help} [env {option.env}; default {option.show(default_value(option))}]",
+            help=described,
         )
 
 
@@ -181,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
         "unchanged (consumers dedupe it)",
     )
     _add_options(audit, _options_for("audit"))
+    validate_command = commands.add_parser(
+        "validate",
+        help="check the rows in the table against --schemas; exit 1 when some are invalid",
+        description="Reads every row (published or not) written in the window through a "
+        "server-side cursor, locking nothing, and checks its data against its event type's "
+        "schema. Exit status: 0 all valid, 1 some invalid (listed with their reasons), 2 a "
+        "usage or connection error.",
+    )
+    validate_command.add_argument(
+        "--since", type=_duration, metavar="DURATION", help="only rows written this recently"
+    )
+    validate_command.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_options(validate_command, _options_for("validate"))
     bench = commands.add_parser(
         "bench",
         help="measure the relay against Postgres and NATS floors and the plain poller",
@@ -197,6 +221,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: sustained load while a snapshot holds the vacuum horizon, "
         "p50/p99 per window before, during and after (about 8 minutes)",
+    )
+    bench.add_argument(
+        "--poolers",
+        action="store_true",
+        help="instead: the relay behind PgBouncer in transaction mode against direct, "
+        "drain and latency (about 6 minutes; needs pgbouncer)",
+    )
+    bench.add_argument(
+        "--validation",
+        action="store_true",
+        help="instead: the drain with --schemas against without, on an order-like payload "
+        "(about 3 minutes)",
     )
     bench.add_argument(
         "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
@@ -310,6 +346,22 @@ def _audit(args: argparse.Namespace, config: Config) -> int:
     return 1 if report.missing else 0
 
 
+def _validate(args: argparse.Namespace, config: Config) -> int:
+    if not config.schemas:
+        print("outbox-relay: error: validate needs --schemas DIR", file=sys.stderr)
+        return 2
+    try:
+        loaded = schemas.Schemas.load(config.schemas, required=config.schemas_required)
+        report = validate.validate_table(
+            database.connection_string(config.database_url), config, loaded, args.since
+        )
+    except (RelayError, psycopg.Error) as exc:
+        log.error("validate failed: %s", first_line(exc))
+        return 2
+    sys.stdout.write(report.as_json() + "\n" if args.json else report.summary())
+    return 1 if report.invalid else 0
+
+
 # The tools (relay_tools) are imported only by the commands that use them: they
 # start servers, and `outbox-relay run` has no use for them.
 def _bench(args: argparse.Namespace) -> int:
@@ -327,6 +379,18 @@ def _bench(args: argparse.Namespace) -> int:
             if args.rate is not None:
                 plan = dataclasses.replace(plan, rate=args.rate)
             return soak.main(args.database_url, args.nats_url, plan, args.json)
+        if args.validation:
+            from relay_tools.bench import validation  # noqa: PLC0415
+
+            check_plan = (
+                validation.ValidationPlan.quick() if args.quick else validation.ValidationPlan()
+            )
+            return validation.main(args.database_url, args.nats_url, check_plan, args.json)
+        if args.poolers:
+            from relay_tools.bench import poolers  # noqa: PLC0415
+
+            pooler_plan = poolers.PoolerPlan.quick() if args.quick else poolers.PoolerPlan()
+            return poolers.main(args.database_url, args.nats_url, pooler_plan, args.json)
         return bench_main(args.database_url, args.nats_url, args.quick, args.json)
     except MissingServerBinary as exc:
         print(f"outbox-relay bench: {exc}", file=sys.stderr)
@@ -362,7 +426,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return _sql_command(args, config)
     if args.command in OPERATOR_COMMANDS:
         return _operator_command(args, config)
-    return _audit(args, config) if args.command == "audit" else app.run(config)
+    commands = {"validate": _validate, "audit": _audit}
+    command = commands.get(args.command)
+    return command(args, config) if command is not None else app.run(config)
 
 
 def entry() -> None:

@@ -122,6 +122,15 @@ class Config:
     # Secrets stay out of the repr (a traceback, a debug log): the URL may hold a
     # password, the token is one.
     database_url: str = field(default="postgresql://localhost:5432/postgres", repr=False)
+    # A direct (session-capable) connection for LISTEN, the sleep lock and the audit's
+    # lock, when database_url is a transaction pooler; unset, database_url serves.
+    listen_database_url: str | None = field(default=None, repr=False)
+    # "transaction": database_url is a transaction pooler, so nothing is prepared and
+    # no setting outlives its transaction; "auto": see relay/poolers.py.
+    database_pooler: str = "auto"
+    poll_only: bool = False  # no LISTEN at all: the poll alone finds new rows
+    schemas: str | None = None  # a folder of <event_type>.schema.json (relay/schemas.py)
+    schemas_required: bool = False  # a type without a schema is invalid, not unchecked
     nats_urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
     # How the relay proves who it is to NATS, besides a user and password in the URL.
     nats_creds: str | None = None  # a credentials file: user JWT and NKey seed
@@ -153,6 +162,11 @@ class Config:
     log_level: str = "info"
     log_format: str = "text"
     failpoints: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def session_database_url(self) -> str:
+        """The URL of the connections that need a session of their own."""
+        return self.listen_database_url or self.database_url
 
     @property
     def table_name(self) -> str:
@@ -192,6 +206,15 @@ def _shown_path(path: str | None) -> str:
 
 def _hidden(secret: str | None) -> str:
     return "***" if secret else ""
+
+
+def parse_switch(text: str) -> bool:
+    value = text.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
 
 
 def _positive_int(text: str) -> int:
@@ -262,6 +285,8 @@ class Option:
     # May come from a file named by its variable + "_FILE" (a mounted secret), read
     # when neither the flag nor the variable itself is given.
     secret_file: bool = False
+    # A flag without a value (its variable takes true or false).
+    switch: bool = False
 
     @property
     def flag(self) -> str:
@@ -298,6 +323,29 @@ RUN_OPTIONS: tuple[Option, ...] = (
         secret_file=True,
     ),
     Option(
+        "listen_database_url",
+        parse_postgres_url,
+        "a direct Postgres URL for LISTEN and the relay's session locks, when --database-url "
+        "is a transaction pooler (PgBouncer, RDS Proxy, Supavisor); unset: --database-url",
+        lambda url: redact_url(url) if url else "--database-url",
+        secret_file=True,
+    ),
+    Option(
+        "database_pooler",
+        _choice("auto", "none", "session", "transaction"),
+        "what --database-url points at: transaction (a transaction pooler: no prepared "
+        "statements, settings per transaction), session or none (a session pooler, or "
+        "Postgres), or auto (transaction when --listen-database-url is given or the LISTEN "
+        "self-check fails, else none)",
+    ),
+    Option(
+        "poll_only",
+        parse_switch,
+        "no LISTEN: find new rows by the poll alone (where no session connection is allowed)",
+        lambda on: "on" if on else "off",
+        switch=True,
+    ),
+    Option(
         "nats_url",
         parse_nats_urls,
         "NATS server URLs, comma-separated (nats:// or tls://; a user and password in them "
@@ -322,6 +370,21 @@ RUN_OPTIONS: tuple[Option, ...] = (
     Option("nats_tls_cert", parse_readable_file, "client certificate file for NATS", _shown_path),
     Option("nats_tls_key", parse_readable_file, "client key file for NATS", _shown_path),
     Option("table", parse_table_name, "outbox table, optionally schema-qualified", ".".join),
+    Option(
+        "schemas",
+        _non_empty,
+        "folder of <event_type>.schema.json files: each row's data is checked before it is "
+        "published, and a row that fails goes dead with the reason (reread on SIGHUP)",
+        lambda folder: folder or "(none: data is not checked)",
+    ),
+    Option(
+        "schemas_required",
+        parse_switch,
+        "with --schemas: a row whose event type has no schema is dead too (else published, "
+        "and counted)",
+        lambda on: "on" if on else "off",
+        switch=True,
+    ),
     Option("channel", parse_channel, "LISTEN/NOTIFY channel the insert trigger notifies"),
     Option("batch_size", _positive_int, "rows claimed per pass"),
     Option(

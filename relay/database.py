@@ -34,10 +34,12 @@ from relay.horizon import Holder, read_holders
 from relay.marks import Marks
 from relay.model import OutboxRow, RowId
 from relay.ordering import OrderKey, earliest_blockers
+from relay.poolers import pooled_from_config
 from relay.sqlfiles import (
     Names,
     claim_execution,
     claim_preparation,
+    claim_unprepared,
     grant_script,
     install_script,
     query,
@@ -184,6 +186,12 @@ async def _give_back(
     await pool.putconn(conn)
 
 
+async def _notify(conninfo: str, channel: str, payload: str) -> None:
+    conn = await psycopg.AsyncConnection.connect(conninfo, autocommit=True)
+    async with conn:
+        await conn.execute("select pg_notify(%s, %s)", (channel, payload))
+
+
 @dataclass(frozen=True)
 class Claim:
     rows: list[OutboxRow]
@@ -220,11 +228,15 @@ class Transaction:
         names: Names,
         prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]],
         start: ClaimStart,
+        local_settings: dict[str, str] | None = None,
     ) -> None:
         self._conn = conn
         self._names = names
         self._prepared = prepared
         self._start = start
+        # Behind a transaction pooler: the settings each transaction sets for itself,
+        # and the claim goes unprepared (see claim_unprepared).
+        self._local_settings = local_settings
 
     async def claim(
         self, batch_size: int, max_attempts: int, ours: Set[RowId] = frozenset()
@@ -233,20 +245,28 @@ class Transaction:
         than ``ours``, this relay's own batches in flight)."""
         conn = self._conn
         async with translated("claim"):
-            if conn not in self._prepared:
-                await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT))
-                self._prepared.add(conn)
             cursor = psycopg.AsyncClientCursor(conn)
             start = self._start.key()
-            execution = claim_execution(CLAIM_STATEMENT, batch_size, max_attempts, start)
-            try:
-                await cursor.execute(execution)
-            except psycopg.errors.InvalidSqlStatementName:
-                # Deallocated behind our back (DISCARD ALL by a proxy, say): this
-                # batch fails and is retried, and the next claim prepares it again.
-                self._prepared.discard(conn)
-                raise
-            cursor.nextset()  # past the BEGIN's result, to the claim's rows
+            if self._local_settings is not None:
+                await cursor.execute(
+                    claim_unprepared(
+                        self._names, batch_size, max_attempts, start, self._local_settings
+                    )
+                )
+                cursor.nextset()  # past the BEGIN's result
+            else:
+                if conn not in self._prepared:
+                    await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT))
+                    self._prepared.add(conn)
+                execution = claim_execution(CLAIM_STATEMENT, batch_size, max_attempts, start)
+                try:
+                    await cursor.execute(execution)
+                except psycopg.errors.InvalidSqlStatementName:
+                    # Deallocated behind our back (DISCARD ALL by a proxy, say): this
+                    # batch fails and is retried, and the next claim prepares it again.
+                    self._prepared.discard(conn)
+                    raise
+            cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
             found = await cursor.fetchall()
         # The last row is the claim's summary (blocker null): where the next starts.
         *found, (_, start_at, statement_at, xmin, xid, _, _, _, start_seq, _) = found
@@ -315,6 +335,12 @@ class Database:
         }
         self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
         self._claim_prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        # None until the LISTEN self-check tells (relay/poolers.py); meanwhile the
+        # relay behaves as behind a transaction pooler, which is right either way.
+        self._pooled = pooled_from_config(config)
+        # The pooled connections that carry the session settings (never behind a
+        # transaction pooler: set there, they would stay with a server connection).
+        self._configured: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
         self.claim_start = ClaimStart()
 
     @property
@@ -326,9 +352,23 @@ class Database:
         """What every pooled connection sets at connect."""
         return dict(self._session_settings)
 
-    async def _configure(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        for name, value in self._session_settings.items():
-            await conn.execute("select set_config(%s, %s, false)", (name, value))
+    @property
+    def pooled(self) -> bool | None:
+        """Whether --database-url is a transaction pooler; None while unknown."""
+        return self._pooled
+
+    def learn_pooler(self, pooled: bool) -> None:
+        """What the LISTEN self-check told, when the configuration did not."""
+        if self._pooled is None:
+            self._pooled = pooled
+
+    async def _checked_out(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """asyncio side: give a connection the session settings at its first use once
+        it is known that no transaction pooler stands between (one round trip, once)."""
+        if self._pooled is False and conn not in self._configured:
+            for name, value in self._session_settings.items():
+                await conn.execute("select set_config(%s, %s, false)", (name, value))
+            self._configured.add(conn)
 
     async def open(self) -> None:
         """Start the pool without waiting: an unreachable database at start is an
@@ -339,7 +379,6 @@ class Database:
             max_size=4,
             open=False,
             kwargs=POOLED_CONNECTION,
-            configure=self._configure,
             # No check on checkout: it would cost a round trip on every batch. A broken
             # connection fails its statement, the batch is retried, and the pool
             # discards the connection when it comes back in a bad state.
@@ -368,6 +407,8 @@ class Database:
         async with translated(doing):
             conn = await aio.call(pool.getconn)
         try:
+            async with translated(doing):
+                await aio.call(self._checked_out, conn)
             yield conn
         finally:
             # Shielded: the connection goes back even when the task was cancelled
@@ -382,7 +423,15 @@ class Database:
         async with translated("begin batch"):
             conn = await pool.getconn()
         try:
-            yield Transaction(conn, self.names, self._claim_prepared, self.claim_start)
+            async with translated("begin batch"):
+                await self._checked_out(conn)
+            yield Transaction(
+                conn,
+                self.names,
+                self._claim_prepared,
+                self.claim_start,
+                None if self._pooled is False else self.session_settings,
+            )
         finally:
             # Runs to its end even when the batch was cancelled (its deadline passed):
             # asyncio delivers a cancellation once, and trio waits for this task.
@@ -433,6 +482,12 @@ class Database:
         return SetupReport(
             trigger_present=trigger, late_trigger_present=late_trigger, adopted_dead=adopted
         )
+
+    async def notify(self, channel: str, payload: str) -> None:
+        """Send a notification on a connection of its own to --database-url (the
+        LISTEN self-check; not the pool's, whose connections wait for its answer)."""
+        async with translated("notify"):
+            await aio.call(_notify, self._conninfo, channel, payload)
 
     async def backlog(self, max_attempts: int) -> Backlog:
         async with self.connection("gauges") as conn, translated("gauges"):

@@ -18,6 +18,8 @@ class Health:
     broker_problem: str = ""
     setup_problem: str | None = None
     stopping: bool = False
+    # Why the relay runs on its poll alone, without LISTEN ("" while it listens).
+    poll_only: str = ""
 
     def not_ready_reason(self) -> str | None:
         """None when the relay can do its work; otherwise a one-line reason (the first
@@ -26,7 +28,7 @@ class Health:
             (self.stopping, "shutting down"),
             (bool(self.setup_problem), self.setup_problem or ""),
             (not self.database, "Postgres is unreachable"),
-            (not self.listening, "LISTEN connection is down"),
+            (not self.listening and not self.poll_only, "LISTEN connection is down"),
             (not self.broker, "NATS is not connected"),
             (
                 not self.broker_acking,
@@ -35,3 +37,7 @@ class Health:
             ),
         )
         return next((reason for holds, reason in reasons if holds), None)
+
+    def ready_detail(self) -> str:
+        """What /readyz says beside "ready": how new rows are found, if not by LISTEN."""
+        return f" (polling only: {self.poll_only})" if self.poll_only else ""

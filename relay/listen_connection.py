@@ -74,6 +74,23 @@ async def _wait_for_notification(
     return received
 
 
+async def _hears(
+    conn: psycopg.AsyncConnection[Any], payload: str, seconds: float, notified: Callable[[], None]
+) -> bool:
+    """asyncio side: whether a notification carrying ``payload`` comes within
+    ``seconds``; ``notified`` is called for any other (a producer's)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (left := deadline - asyncio.get_running_loop().time()) > 0:
+        async for notice in conn.notifies(timeout=left, stop_after=1):
+            if notice.payload == payload:
+                return True
+            notified()
+            break
+        else:
+            return False
+    return False
+
+
 def session_settings(idle_timeout: float) -> dict[str, str]:
     """The LISTEN session's settings. The server ends the session when the relay stops
     talking (``idle_timeout``, see :func:`relay.listener.server_idle_timeout`) or its
@@ -164,6 +181,12 @@ class PostgresListenConnection:
     async def wait_for_notification(self, seconds: float, notified: Callable[[], None]) -> int:
         try:
             return await aio.call(_wait_for_notification, self._conn, seconds, notified)
+        except (psycopg.Error, OSError) as exc:
+            raise translate(exc, "LISTEN connection") from exc
+
+    async def hears(self, payload: str, seconds: float, notified: Callable[[], None]) -> bool:
+        try:
+            return await aio.call(_hears, self._conn, payload, seconds, notified)
         except (psycopg.Error, OSError) as exc:
             raise translate(exc, "LISTEN connection") from exc
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -67,6 +68,11 @@ class ListenConnection(Protocol):
         many came."""
         ...
 
+    async def hears(self, payload: str, seconds: float, notified: Callable[[], None]) -> bool:
+        """Whether a notification carrying ``payload`` comes within ``seconds``
+        (``notified`` is called for any other)."""
+        ...
+
     async def close(self) -> None:
         """Close, shielded and bounded: never raises."""
         ...
@@ -81,6 +87,12 @@ def server_idle_timeout(keepalive: float) -> float:
     the server ends the session. Twice the keepalive and a margin for a loaded
     machine: never a live listener, and within half a minute at the default."""
     return 2 * keepalive + 5.0
+
+
+# The self-check at the first connect: a notification sent through another
+# connection must come back on this one. Tries, and how long each waits.
+SELF_CHECK_TRIES = 3
+SELF_CHECK_SECONDS = 1.0
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -103,9 +115,20 @@ class Listener:
         wakeup: Wakeup,
         health: Health,
         metrics: Metrics,
+        self_check: Callable[[str], Awaitable[None]] | None = None,
+        on_checked: Callable[[bool], None] = lambda heard: None,
+        poll_only: str = "",
     ) -> None:
+        """``self_check`` sends a notification with a payload through a connection
+        other than this one, for the check at the first connect (None: no check);
+        ``on_checked`` hears whether it came back (if not, this task stops: the
+        relay runs on its poll). ``poll_only``, when not empty, says why the relay
+        listens not at all."""
         self._connect = connect
         self._channel = channel
+        self._self_check = self_check
+        self._on_checked = on_checked
+        self._poll_only = poll_only
         self._keepalive = keepalive
         self._wakeup = wakeup
         self._health = health
@@ -142,13 +165,16 @@ class Listener:
     # -- the task ---------------------------------------------------------------
 
     async def run(self) -> None:
+        if self._poll_only:
+            self._run_on_the_poll(self._poll_only)
+            return
         backoff = ReconnectBackoff(initial=0.1, cap=5.0)
 
         def describe(exc: BaseException) -> str:
             reason = "connect timed out" if isinstance(exc, trio.TooSlowError) else first_line(exc)
             return f"LISTEN connection lost: {reason}"
 
-        while True:  # _listen_once returns only when the connection is lost
+        while not self._poll_only:  # _listen_once returns when the connection is lost
             await retry(
                 lambda: self._listen_once(backoff),
                 failures=(RelayError, trio.TooSlowError),
@@ -157,11 +183,24 @@ class Listener:
                 on_failure=lambda _: self._set_state(up=False),
             )
 
+    def _run_on_the_poll(self, reason: str) -> None:
+        self._poll_only = reason
+        self._health.poll_only = reason
+        self._metrics.poll_only.set(1)
+        self._set_state(up=False)
+
     async def _listen_once(self, backoff: ReconnectBackoff) -> None:
         with trio.fail_after(10):
             conn = await self._connect()
         try:
             await conn.listen(self._channel)
+            if self._self_check is not None:
+                heard = await self._heard_itself(conn)
+                self._self_check = None  # once: it tells the URL's kind, not the moment's
+                self._on_checked(heard)
+                if not heard:
+                    self._run_on_the_poll("the LISTEN connection hears no notification")
+                    return
             self._set_state(up=True)
             backoff.reset()
             log.info("listening on channel %s", self._channel)
@@ -186,6 +225,18 @@ class Listener:
             self._holding = False
             self._answer_request(Sleep.DEAF)
             await conn.close()
+
+    async def _heard_itself(self, conn: ListenConnection) -> bool:
+        """The self-check: a notification sent through another connection comes back
+        on this one (through a transaction pooler it goes to whatever server
+        connection was free, and no one hears it)."""
+        assert self._self_check is not None
+        for _ in range(SELF_CHECK_TRIES):
+            token = f"outbox-relay self-check {uuid.uuid4().hex}"
+            await self._self_check(token)
+            if await conn.hears(token, SELF_CHECK_SECONDS, self._notified):
+                return True
+        return False
 
     async def _serve_requests(self, conn: ListenConnection) -> None:
         self._poke = trio.Event()

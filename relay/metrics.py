@@ -163,6 +163,9 @@ class Metrics:
     audit_last_success: Gauge
     audit_failures: Counter
     listen_connected: Gauge
+    schema_rejections: Counter
+    schemaless_rows: Counter
+    poll_only: Gauge
     nats_connected: Gauge
     up: Gauge
     ready: Gauge

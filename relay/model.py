@@ -63,6 +63,7 @@ class FailureReason(enum.StrEnum):
     TOO_LARGE = "too_large"
     INVALID_SUBJECT = "invalid_subject"
     INVALID_TIME = "invalid_time"
+    INVALID_DATA = "invalid_data"  # the data fails its event type's schema (--schemas)
     REFUSED = "refused"
     RELAY_ERROR = "relay_error"  # unexpected: the relay's, or its client library's
 
@@ -84,7 +85,12 @@ class FailureReason(enum.StrEnum):
 
 
 _PERMANENT = frozenset(
-    {FailureReason.TOO_LARGE, FailureReason.INVALID_SUBJECT, FailureReason.INVALID_TIME}
+    {
+        FailureReason.TOO_LARGE,
+        FailureReason.INVALID_SUBJECT,
+        FailureReason.INVALID_TIME,
+        FailureReason.INVALID_DATA,
+    }
 )
 _BROKER_FAULTS = frozenset(
     {

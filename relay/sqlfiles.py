@@ -10,6 +10,7 @@ import functools
 import importlib.resources
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -291,4 +292,43 @@ def claim_execution(
     values = claim_parameters(batch_size, max_attempts, start).values()
     return sql.SQL("begin; execute {} ({})").format(
         statement, sql.SQL(", ").join(sql.Literal(v) for v in values)
+    )
+
+
+def local_settings(settings: Mapping[str, str]) -> sql.Composed:
+    """One statement that sets ``settings`` for the current transaction only (as SET
+    LOCAL does): behind a transaction pooler a session setting would stay on a
+    server connection other clients get next."""
+    calls = sql.SQL(", ").join(
+        sql.SQL("set_config({}, {}, true)").format(sql.Literal(name), sql.Literal(value))
+        for name, value in settings.items()
+    )
+    return sql.SQL("select {}").format(calls)
+
+
+def claim_with_values(
+    names: Names, batch_size: int, max_attempts: int, start: StartKey
+) -> sql.Composed:
+    """The claim with its values in place of its parameters (typed as the prepared
+    claim's are), to send as one statement among others."""
+    values = claim_parameters(batch_size, max_attempts, start)
+    inline = {
+        name: sql.SQL("({})::{}").format(sql.Literal(values[name]), sql.SQL(kind))
+        for name, kind in _CLAIM_PARAMETER_TYPES.items()
+    }
+    return query(names, "claim", **inline)
+
+
+def claim_unprepared(
+    names: Names,
+    batch_size: int,
+    max_attempts: int,
+    start: StartKey,
+    settings: Mapping[str, str],
+) -> sql.Composed:
+    """For a transaction pooler, where a prepared statement lives on one server
+    connection and the next transaction may get another: open the transaction, set
+    its settings, and run the claim with its values in place, in one message."""
+    return sql.SQL("begin; {}; ").format(local_settings(settings)) + claim_with_values(
+        names, batch_size, max_attempts, start
     )

@@ -216,7 +216,80 @@ class ThrowawayNats:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-Server = TypeVar("Server", ThrowawayNats, ThrowawayPostgres)
+def pgbouncer_binary() -> str:
+    found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+    if found is None:
+        raise MissingServerBinary("pgbouncer not found: apt-get install pgbouncer")
+    return found
+
+
+class ThrowawayPgBouncer:
+    """A temporary PgBouncer on a free loopback port in front of a Postgres that
+    trusts loopback connections (the machine's, or a throwaway one)."""
+
+    def __init__(
+        self,
+        postgres_port: int,
+        *,
+        pool_mode: str = "transaction",
+        pool_size: int = 4,
+        port: int | None = None,
+    ) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="outbox-relay-pgbouncer-"))
+        self.port = port or free_port()
+        self.postgres_port = postgres_port
+        self.pool_mode = pool_mode
+        self.pool_size = pool_size
+        self.process: subprocess.Popen[bytes] | None = None
+        if os.geteuid() == 0:
+            os.chown(self.dir, pwd.getpwnam("postgres").pw_uid, -1)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def start(self) -> None:
+        users = self.dir / "users.txt"
+        users.write_text('"postgres" ""\n')
+        config = self.dir / "pgbouncer.ini"
+        config.write_text(
+            "[databases]\n"
+            f"* = host=127.0.0.1 port={self.postgres_port}\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {users}\n"
+            f"pool_mode = {self.pool_mode}\ndefault_pool_size = {self.pool_size}\n"
+            "max_client_conn = 500\n"
+            f"logfile = {self.dir / 'pgbouncer.log'}\n"
+        )
+        for path in (users, config):
+            if os.geteuid() == 0:
+                os.chown(path, pwd.getpwnam("postgres").pw_uid, -1)
+        # It refuses to run as root, as Postgres does.
+        self.process = subprocess.Popen(
+            [*_as_postgres_user(), pgbouncer_binary(), str(config)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_for_port(self.port, process=self.process)
+        except RuntimeError as exc:
+            log = self.dir / "pgbouncer.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{exc}; pgbouncer says:\n{tail}") from None
+
+    def kill(self) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+    def destroy(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+Server = TypeVar("Server", ThrowawayNats, ThrowawayPostgres, ThrowawayPgBouncer)
 
 
 @contextlib.contextmanager
@@ -239,3 +312,11 @@ def throwaway_postgres(
     *, started: bool = True, durable: bool = False
 ) -> contextlib.AbstractContextManager[ThrowawayPostgres]:
     return _managed(ThrowawayPostgres(durable=durable), started)
+
+
+def throwaway_pgbouncer(
+    postgres_port: int, *, pool_mode: str = "transaction", pool_size: int = 4
+) -> contextlib.AbstractContextManager[ThrowawayPgBouncer]:
+    return _managed(
+        ThrowawayPgBouncer(postgres_port, pool_mode=pool_mode, pool_size=pool_size), True
+    )

@@ -456,3 +456,11 @@ select exists (
          < (least(%(start_at)s::timestamptz, %(bound_at)s::timestamptz - {late_insert}),
             case when %(start_at)s::timestamptz < %(bound_at)s::timestamptz - {late_insert}
                  then %(start_seq)s::bigint else -9223372036854775808 end));
+
+-- name: validate_rows
+-- `outbox-relay validate`: every row written since %(since)s (all rows when null),
+-- published or not, read through a server-side cursor in table order (no sort, no
+-- lock): a table of millions is never held at once.
+select id::text, event_type, data
+  from {table}
+ where %(since)s::timestamptz is null or created_at >= %(since)s::timestamptz;

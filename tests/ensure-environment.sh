@@ -17,13 +17,15 @@ wait_port() {
 
 # Debian packages the deploy/ checks use: promtool (in prometheus) for the alert
 # rules, docker-compose for `docker-compose config`, systemd-analyze for the unit;
-# and nft (nftables), with which the fault tests' proxy drops the packets of its own
-# loopback port.
+# nft (nftables), with which the fault tests' proxy drops the packets of its own
+# loopback port; and pgbouncer.
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 command -v nft >/dev/null || missing+=(nftables)
+# PgBouncer, which the pooler tests start on free loopback ports.
+command -v pgbouncer >/dev/null || [ -x /usr/sbin/pgbouncer ] || missing+=(pgbouncer)
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "ensure-environment: installing ${missing[*]}"

@@ -228,7 +228,7 @@ async def _publish_modes(plan: Plan, progress: Progress, report: Report, target:
             ):
                 await target.reset()
                 samples = await measure.end_to_end(
-                    target, 1000.0, plan.latency_seconds, publish_mode="batch"
+                    target, 1000.0, plan.latency_seconds, settings={"publish_mode": "batch"}
                 )
                 p99.append(percentile(samples, 0.99) * 1000)
         report.add(

@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from relay.config import Config
 from relay.database import connection_string, install, uninstall
 from relay.sqlfiles import Names
+from relay_tools.localservers import throwaway_nats, throwaway_postgres
 
 INSERT = (
     "insert into outbox_events (id, event_type, source, subject, time, data) "
@@ -143,10 +144,18 @@ class Target:
                     return
                 await asyncio.sleep(interval)
 
-    async def fill(self, rows: int, subjects: int = 1000, *, one_transaction: bool = False) -> None:
+    async def fill(
+        self,
+        rows: int,
+        subjects: int = 1000,
+        *,
+        one_transaction: bool = False,
+        data: str = "jsonb_build_object('n', g, 'pad', repeat('x', 200))",
+    ) -> None:
         """A backlog of ``rows`` committed rows, inserted without notifying anyone:
         each with its own created_at (as many small transactions leave them), or all
-        written by one transaction and so sharing one (a backfill, a bulk import)."""
+        written by one transaction and so sharing one (a backfill, a bulk import).
+        ``data``: the SQL of each row's data, from the series number ``g``."""
         created_at = "now()" if one_transaction else "clock_timestamp()"
         async with await psycopg.AsyncConnection.connect(self.url) as c:
             for start in range(0, rows, 100_000):
@@ -154,8 +163,7 @@ class Target:
                 await c.execute(
                     "insert into outbox_events (id, event_type, source, subject, time, data, "
                     "created_at) select gen_random_uuid(), %s, 'bench', 's' || (g %% %s::int), "
-                    "now(), jsonb_build_object('n', g, 'pad', repeat('x', 200)), "
-                    f"{created_at} from generate_series(%s::int, %s::int) g",
+                    f"now(), {data}, {created_at} from generate_series(%s::int, %s::int) g",
                     (self.event_type, subjects, start, start + count - 1),
                 )
                 if not one_transaction:
@@ -347,3 +355,14 @@ async def listening(url: str, channel: str) -> AsyncIterator[psycopg.AsyncConnec
 
 def dumps(value: object) -> str:
     return json.dumps(value, indent=2, sort_keys=True)
+
+
+@contextlib.contextmanager
+def bench_servers(database_url: str | None, nats_url: str | None) -> Iterator[tuple[str, str]]:
+    """The servers a bench runs against: those named, else throwaway ones on loopback."""
+    with contextlib.ExitStack() as servers:
+        if database_url is None:
+            database_url = servers.enter_context(throwaway_postgres(durable=True)).url
+        if nats_url is None:
+            nats_url = servers.enter_context(throwaway_nats()).url
+        yield database_url, nats_url

@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,13 +140,18 @@ async def publish_rate(target: Target, messages: int) -> float:
 
 
 async def end_to_end(
-    target: Target, rate: float, seconds: float, *, plain: bool = False, **settings: str
+    target: Target,
+    rate: float,
+    seconds: float,
+    *,
+    plain: bool = False,
+    settings: Mapping[str, str] | None = None,
 ) -> list[float]:
     """Seconds from COMMIT to the consumer, at ``rate`` events/s from four producers,
-    through the relay (or the plain poller)."""
+    through the relay (``settings``: its options) or the plain poller."""
     async with (
         Consumer(target.nats_url, f"{target.prefix}.>") as consumer,
-        _Publishing(target, plain, 1, settings),
+        _Publishing(target, plain, 1, dict(settings or {})),
     ):
         committed = await produce_at_rate(target.url, target.event_type, rate, seconds)
         async with asyncio.timeout(30):
@@ -163,15 +169,25 @@ class Shape:
 
 
 async def drain_rate(
-    target: Target, rows: int, *, plain: bool = False, shape: Shape = Shape()
+    target: Target,
+    rows: int,
+    *,
+    plain: bool = False,
+    shape: Shape = Shape(),
+    settings: Mapping[str, str] | None = None,
+    data: str | None = None,
 ) -> float:
-    """Rows/s to publish a backlog of ``rows`` committed rows."""
+    """Rows/s to publish a backlog of ``rows`` committed rows (``settings``: the
+    relays' options; ``data``: each row's data as SQL, see Target.fill)."""
     if shape.dead_ahead:
         # Before the relays start: the incident is over, the relays were restarted.
         await target.add_dead(shape.dead_ahead, Config().max_attempts)
-    async with _publisher(target, plain, shape.replicas):
+    async with _publisher(target, plain, shape.replicas, **(settings or {})):
         # The relays (or poller) are running and idle; the backlog lands at once.
-        await target.fill(rows, one_transaction=shape.one_transaction)
+        if data is None:
+            await target.fill(rows, one_transaction=shape.one_transaction)
+        else:
+            await target.fill(rows, one_transaction=shape.one_transaction, data=data)
         started = time.perf_counter()
         await target.execute("select pg_notify('outbox_events', '')")
         await target.wait_until_drained(0.05)

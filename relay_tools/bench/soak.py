@@ -18,7 +18,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import nats
@@ -27,9 +27,14 @@ from nats.aio.msg import Msg
 
 from relay.config import Config
 from relay.sqlfiles import Names, query
-from relay_tools.bench.harness import RelayProcess, Target, dumps, wait_until_ready
+from relay_tools.bench.harness import (
+    RelayProcess,
+    Target,
+    bench_servers,
+    dumps,
+    wait_until_ready,
+)
 from relay_tools.bench.stats import percentile
-from relay_tools.localservers import throwaway_nats, throwaway_postgres
 
 INSERT = (
     "insert into outbox_events (id, event_type, source, subject, time, data) "
@@ -298,18 +303,8 @@ def _clock(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-@contextlib.contextmanager
-def _servers(database_url: str | None, nats_url: str | None) -> Iterator[tuple[str, str]]:
-    with contextlib.ExitStack() as servers:
-        if database_url is None:
-            database_url = servers.enter_context(throwaway_postgres(durable=True)).url
-        if nats_url is None:
-            nats_url = servers.enter_context(throwaway_nats()).url
-        yield database_url, nats_url
-
-
 async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) -> SoakReport:
-    with _servers(database_url, nats_url) as (pg, nats_url_):
+    with bench_servers(database_url, nats_url) as (pg, nats_url_):
         target = Target(pg, nats_url_)
         await target.create()
         try:

@@ -18,7 +18,7 @@ from relay.config import Config
 from relay.database import POOLED_CONNECTION, Database, Transaction
 from relay.errors import DatabaseUnavailable
 from relay.marks import FailureMark, Marks
-from relay.sqlfiles import Names, claim_parameters, query
+from relay.sqlfiles import Names, claim_parameters, claim_with_values, local_settings, query
 from tests.support import database
 from tests.support.database import Event, relay_session
 from tests.support.servers import SHARED_PG_URL
@@ -530,3 +530,29 @@ def test_the_prepared_claim_outlives_a_rollback_and_comes_back_after_a_deallocat
     assert outcomes[:2] == ["first: 1", "after rollback: 2"], outcomes
     assert outcomes[2].startswith("after deallocate: claim: InvalidSqlStatementName"), outcomes
     assert outcomes[3] == "retried: 4", outcomes
+
+
+def test_the_claim_behind_a_transaction_pooler_reads_one_batch_on_stale_statistics(db_url):
+    """Behind a transaction pooler the claim goes unprepared, with its values in
+    place, and the relay's settings hold for its transaction only (no bitmap scan
+    among them): on a burst the planner believes is tiny it still walks the claim
+    index and stops at the batch."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("analyze outbox_events")
+        conn.execute("""
+            insert into outbox_events (id, event_type, source, subject, time, data, created_at)
+            select gen_random_uuid(), 'a.b', 's', 'e' || (g % 1000), now(), '{}',
+                   clock_timestamp()
+              from generate_series(1, 50000) g""")
+    settings = Database(Config(database_url=db_url)).session_settings
+    names = Names.for_config(Config())
+    with psycopg.connect(db_url) as conn:
+        conn.execute(local_settings(settings))
+        lines = conn.execute(
+            psycopg.sql.SQL("explain (analyze, timing off, costs off) ")
+            + claim_with_values(names, 500, 20, FROM_FIRST_ENTRY)
+        ).fetchall()
+        conn.rollback()
+        # Nothing of it outlives the transaction.
+        assert conn.execute("show enable_bitmapscan").fetchone() == ("on",)
+    assert_claim_reads_about_a_batch("\n".join(line for (line,) in lines))

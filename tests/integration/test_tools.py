@@ -162,3 +162,36 @@ def test_the_soak_quick_mode_prints_every_window_and_the_targets(tmp_path):
     assert document["lost"] == 0
     assert document["inversions"] == 0
     assert max(w["dead_tuples"] for w in windows if w["held"]) > 0
+
+
+def test_the_poolers_quick_mode_measures_every_arrangement(tmp_path):
+    """Every arrangement drains and carries its load; the figures are printed, and
+    the one through the pooler alone shows the poll's latency, not LISTEN's."""
+    out = tmp_path / "poolers.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "bench", "--poolers", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    arrangements = {a["name"]: a for a in json.loads(out.read_text())["arrangements"]}
+    assert len(arrangements) == 4
+    assert all(a["drain"][0] > 0 and a["p99"][0] > 0 for a in arrangements.values())
+    assert "://" not in out.read_text()
+    assert "| PgBouncer transaction mode + --listen-database-url direct |" in result.stdout
+
+
+def test_the_validation_quick_mode_drains_with_and_without_schemas(tmp_path):
+    """Both drains run on the order payload, every row valid against the bench's
+    own schema (a row dead would stop the bench); the ratio is printed."""
+    out = tmp_path / "validation.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "bench", "--validation", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads(out.read_text())
+    assert len(document["without"]) == len(document["with_schemas"]) == 1
+    assert document["ratios"][0] > 0
+    assert "with --schemas within 10% of the drain without" in result.stdout

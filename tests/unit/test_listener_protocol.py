@@ -29,6 +29,11 @@ class LockServer:
         self.refuse_connections = False
         self.connect_attempts = 0
         self.releases = 0
+        # Self-check notifications that reach the LISTEN connection (a transaction
+        # pooler delivers none), and every one sent.
+        self.delivers = True
+        self.delivered: set[str] = set()
+        self.sent: list[str] = []
 
 
 class FakeConnection:
@@ -91,6 +96,14 @@ class FakeConnection:
             notified()
             return 1
         return 0
+
+    async def hears(self, payload: str, seconds: float, notified: Callable[[], None]) -> bool:
+        self._check()
+        with trio.move_on_after(seconds):
+            while payload not in self.server.delivered:  # noqa: ASYNC110 - plain state, virtual clock
+                await trio.sleep(0.001)
+            return True
+        return False
 
     async def close(self) -> None:
         # The lock dies with its session.
@@ -299,3 +312,86 @@ def test_reconnects_back_off_while_the_server_refuses():
         assert len(world.server.connections) == 2
 
     run(test)
+
+
+class CheckedWorld(World):
+    """A listener that checks, at its first connect, that it hears a notification
+    sent another way."""
+
+    def __init__(self, delivers: bool) -> None:
+        super().__init__()
+        self.server.delivers = delivers
+        self.checked: list[bool] = []
+        self.listened = False
+        self.listener = Listener(
+            connect=self._connect,
+            channel="outbox_events",
+            keepalive=10.0,
+            wakeup=self.wakeup,
+            health=self.health,
+            metrics=self.metrics,
+            self_check=self._send,
+            on_checked=self.checked.append,
+        )
+
+    async def _send(self, payload: str) -> None:
+        await trio.lowlevel.checkpoint()
+        self.server.sent.append(payload)
+        if self.server.delivers:
+            self.server.delivered.add(payload)
+
+
+def run_checked(delivers: bool) -> CheckedWorld:
+    world = CheckedWorld(delivers)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world.listener.run)
+            await world.until(lambda: bool(world.checked))
+            await world.until(lambda: world.health.listening or bool(world.health.poll_only))
+            world.listened = world.health.listening
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return world
+
+
+def test_the_self_check_heard_once_and_the_listener_listens():
+    world = run_checked(delivers=True)
+    assert world.checked == [True]
+    assert len(world.server.sent) == 1
+    assert world.listened
+    assert world.health.poll_only == ""
+    assert world.health.ready_detail() == ""
+
+
+def test_a_self_check_never_heard_leaves_the_relay_on_its_poll():
+    world = run_checked(delivers=False)
+    assert world.checked == [False]
+    assert len(world.server.sent) == 3  # tried three times, a second each
+    assert not world.listened
+    assert world.health.poll_only == "the LISTEN connection hears no notification"
+    assert "LISTEN" not in (world.health.not_ready_reason() or "")
+    assert world.metrics.poll_only._value.get() == 1
+    assert world.server.holder is None
+    assert len(world.server.connections) == 1  # and never connects again
+
+
+def test_poll_only_never_connects():
+    async def main() -> None:
+        world = World()
+        world.listener = Listener(
+            connect=world._connect,
+            channel="outbox_events",
+            keepalive=10.0,
+            wakeup=world.wakeup,
+            health=world.health,
+            metrics=world.metrics,
+            poll_only="--poll-only",
+        )
+        await world.listener.run()
+        assert world.server.connect_attempts == 0
+        assert world.health.poll_only == "--poll-only"
+        assert await world.listener.prepare_sleep() is Sleep.DEAF
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

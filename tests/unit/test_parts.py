@@ -11,17 +11,19 @@ import trio.testing
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from psycopg import sql
 
-from relay.claimstart import StartKey
+from relay.claimstart import FROM_FIRST_ENTRY, MIN_SEQ, StartKey
 from relay.config import Config, parse_channel, parse_table_name
 from relay.errors import ConfigError
 from relay.health import Health
 from relay.httpserver import HttpServer, parse_request_line
 from relay.logs import JsonFormatter, TextFormatter
 from relay.metrics import LATENCY_BUCKETS, BatchHistogram, BoundedLabel, Metrics, metric_table
+from relay.poolers import pooled_from_config
 from relay.sqlfiles import (
     Names,
     claim_execution,
     claim_preparation,
+    claim_unprepared,
     grant_script,
     install_script,
     parse_named_blocks,
@@ -71,6 +73,39 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
         "begin; execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
         "'2026-12-04 10:00:01+00')"
     )
+
+
+def test_behind_a_transaction_pooler_the_claim_is_one_message_with_its_values():
+    names = Names.for_config(Config())
+    text = claim_unprepared(
+        names, 500, 20, FROM_FIRST_ENTRY, {"lock_timeout": "5000", "enable_bitmapscan": "off"}
+    ).as_string()
+    assert text.startswith(
+        "begin; select set_config('lock_timeout', '5000', true), "
+        "set_config('enable_bitmapscan', 'off', true); "
+    )
+    assert "$1" not in text
+    assert "%(" not in text
+    assert "prepare" not in text.lower()
+    # The smallest bigint, typed as the prepared claim's parameter is: parenthesised,
+    # or the cast would apply before the minus and overflow.
+    assert f"( {MIN_SEQ})::bigint" in text
+    assert "('-infinity')::timestamptz" in text
+
+
+@pytest.mark.parametrize(
+    ("settings", "pooled"),
+    [
+        ({}, None),  # auto, one URL: the LISTEN self-check tells
+        ({"listen_database_url": "postgresql://direct/db"}, True),
+        ({"poll_only": True}, True),
+        ({"database_pooler": "transaction"}, True),
+        ({"database_pooler": "session", "listen_database_url": "postgresql://d/db"}, False),
+        ({"database_pooler": "none", "poll_only": True}, False),
+    ],
+)
+def test_whether_the_database_url_is_taken_for_a_transaction_pooler(settings, pooled):
+    assert pooled_from_config(Config(**settings)) is pooled
 
 
 def test_configured_names_cannot_break_out_of_their_quotes():

@@ -1,0 +1,76 @@
+"""`outbox-relay validate`: the rows already in the table, published or not,
+checked against the schemas (relay/schemas.py). A producing service runs it in CI
+against its test database; an operator runs it before changing a schema.
+
+It reads through a server-side cursor in a read-only transaction, in bounded
+memory, and locks nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from relay.config import Config
+from relay.schemas import Schemas
+from relay.sqlfiles import Names, query
+
+# Rows fetched per round trip of the cursor.
+FETCH_ROWS = 2_000
+
+
+@dataclass
+class ValidationReport:
+    checked: int = 0
+    invalid: list[dict[str, str]] = field(default_factory=list)  # id, type, reason
+    no_schema: dict[str, int] = field(default_factory=dict)  # event type: rows
+
+    def as_json(self) -> str:
+        return json.dumps(
+            {"checked": self.checked, "invalid": self.invalid, "no_schema": self.no_schema},
+            indent=2,
+        )
+
+    def summary(self) -> str:
+        lines = [f"{r['id']}  {r['type']}  {r['reason']}" for r in self.invalid]
+        unchecked = sum(self.no_schema.values())
+        lines.append(
+            f"checked {self.checked} rows: {len(self.invalid)} invalid, {unchecked} of "
+            f"{len(self.no_schema)} event types without a schema"
+            + (f" ({', '.join(sorted(self.no_schema))})" if self.no_schema else "")
+        )
+        return "\n".join(lines) + "\n"
+
+
+def check_rows(rows: Any, schemas: Schemas, report: ValidationReport) -> None:
+    """Check (id, event_type, data) rows, data parsed, into ``report``."""
+    for row_id, event_type, data in rows:
+        report.checked += 1
+        if not schemas.covers(event_type):
+            report.no_schema[event_type] = report.no_schema.get(event_type, 0) + 1
+        problem = schemas.problem(event_type, data)
+        if problem is not None:
+            report.invalid.append({"id": row_id, "type": event_type, "reason": problem})
+
+
+def validate_table(
+    conninfo: str, config: Config, schemas: Schemas, since: float | None
+) -> ValidationReport:
+    """Every row written in the last ``since`` seconds (all, when None)."""
+    report = ValidationReport()
+    with psycopg.connect(conninfo) as conn:
+        conn.read_only = True
+        since_at = None
+        if since is not None:
+            found = conn.execute(
+                "select clock_timestamp() - make_interval(secs => %s)", (since,)
+            ).fetchone()
+            since_at = found[0] if found else None
+        with conn.cursor(name="outbox_relay_validate") as cursor:
+            cursor.itersize = FETCH_ROWS
+            cursor.execute(query(Names.for_config(config), "validate_rows"), {"since": since_at})
+            check_rows(cursor, schemas, report)
+    return report
