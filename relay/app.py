@@ -35,6 +35,7 @@ from relay.retry import retry
 from relay.scheduler import Scheduler
 from relay.schemas import SchemaCheck, Schemas
 from relay.streams import short_duplicate_windows
+from relay.tracing import start_tracing
 from relay.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
@@ -86,12 +87,14 @@ class Relay:
                 event_type=self.metrics.event_type(event_type)
             ).inc(),
         )
+        self.tracing = start_tracing()
         batch = Batch(
             config=config,
             database=self.database,
             broker=self.broker,
             failpoints=Failpoints(config.failpoints),
             schema_check=self.schema_check,
+            tracing=self.tracing,
         )
         self.scheduler = Scheduler(
             config=config,
@@ -323,6 +326,8 @@ class Relay:
                 with trio.CancelScope(shield=True):
                     await self.broker.close()
                     await self.database.close()
+                    # Exports the spans still queued (bounded by the SDK's timeout).
+                    await trio.to_thread.run_sync(self.tracing.shutdown)
         if not setup_ok:
             raise SetupError(self.health.setup_problem or "setup check failed")
         log.info("stopped")

@@ -41,7 +41,7 @@ from relay import aio
 from relay.broker import Broker, nats_auth_options
 from relay.config import Config, redact_nats_url
 from relay.database import connection_string
-from relay.envelope import MSG_ID_HEADER, Message, build_message
+from relay.envelope import MSG_ID_HEADER, Message, row_message
 from relay.errors import RelayError, first_line
 from relay.metrics import Metrics
 from relay.model import OutboxRow
@@ -327,6 +327,7 @@ async def audit(
     *,
     repair: bool = False,
     publish_timeout: float = 5.0,
+    binary: bool = False,
 ) -> AuditReport:
     """Check every row marked published in the last ``since`` seconds against the
     stream that captures its event type; with ``repair``, publish the missing ones
@@ -369,7 +370,7 @@ async def audit(
     mark_delay = publish_timeout + _MARK_AFTER_ACK
     await _sort_absent(nc, absent, views, now, report, mark_delay=mark_delay)
     if repair and report.missing:
-        await _repair(conn, nc, names, report)
+        await _repair(conn, nc, names, report, binary=binary)
     report.seconds = time.monotonic() - started
     return report
 
@@ -400,13 +401,29 @@ async def _sort_absent(
         report.missing.append(row)
 
 
-def repair_message(row: OutboxRow, now: float) -> Message:
-    message = build_message(row, row.time or "")
-    return Message(message.subject, message.body, {MSG_ID_HEADER: repair_msg_id(row.id, now)})
+def repair_message(row: OutboxRow, now: float, *, binary: bool = False) -> Message:
+    """The row's message as it was first published (its trace context and headers
+    too), under the repair's own message id. A row whose headers would now be
+    refused was never published with them: it goes without."""
+    built = row_message(row, row.time or "", binary=binary)
+    if not isinstance(built, Message):
+        built = row_message(row._replace(headers=None), row.time or "", binary=binary)
+    assert isinstance(built, Message)  # without the row's headers nothing can refuse it
+    message = built
+    return Message(
+        message.subject,
+        message.body,
+        {**message.headers, MSG_ID_HEADER: repair_msg_id(row.id, now)},
+    )
 
 
 async def _repair(
-    conn: psycopg.AsyncConnection[Any], nc: Client, names: Names, report: AuditReport
+    conn: psycopg.AsyncConnection[Any],
+    nc: Client,
+    names: Names,
+    report: AuditReport,
+    *,
+    binary: bool = False,
 ) -> None:
     ids = [m.id for m in report.missing]
     cursor = await conn.execute(query(names, "audit_rows"), {"ids": ids})
@@ -419,7 +436,7 @@ async def _repair(
     now = time.time()
     while queues:
         wave = queues.next_wave()
-        messages = [repair_message(r, now) for r in wave]
+        messages = [repair_message(r, now, binary=binary) for r in wave]
         results = await asyncio.gather(
             *(js.publish(m.subject, m.body, timeout=_API_TIMEOUT, headers=m.headers)
               for m in messages),
@@ -485,7 +502,13 @@ async def _audit_with(
     names = Names.for_config(config)
     if nc is not None:
         return await audit(
-            conn, nc, names, since, repair=repair, publish_timeout=config.publish_timeout
+            conn,
+            nc,
+            names,
+            since,
+            repair=repair,
+            publish_timeout=config.publish_timeout,
+            binary=config.envelope == "binary",
         )
 
     async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per try without it
@@ -506,7 +529,13 @@ async def _audit_with(
         raise AuditError(f"cannot connect to NATS at {servers}: {exc}") from exc
     try:
         return await audit(
-            conn, own, names, since, repair=repair, publish_timeout=config.publish_timeout
+            conn,
+            own,
+            names,
+            since,
+            repair=repair,
+            publish_timeout=config.publish_timeout,
+            binary=config.envelope == "binary",
         )
     finally:
         await own.close()

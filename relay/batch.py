@@ -19,7 +19,9 @@ are marked where they are.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -28,14 +30,19 @@ from typing import Protocol
 from relay import failpoints
 from relay.config import Config
 from relay.database import Claim
-from relay.envelope import Message, build_message
+from relay.envelope import Message, row_message
 from relay.failpoints import Failpoints
+from relay.headers import TraceContext, trace_context
+from relay.logs import RepeatedWarnings
 from relay.marks import Marks, decide_marks
 from relay.model import Failed, FailureReason, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
 from relay.schemas import SchemaCheck
 from relay.streams import ATOMIC_BATCH_LIMIT, ATOMIC_HEADER_BYTES, MIN_BATCH_MESSAGES, PublishMode
+from relay.tracing import NoTracing, Tracing
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -176,12 +183,16 @@ class Batch:
         broker: BatchBroker,
         failpoints: Failpoints,
         schema_check: SchemaCheck | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._config = config
         self._db = database
         self._broker = broker
         self._failpoints = failpoints
         self._schema_check = schema_check or SchemaCheck(None)
+        self._warnings = RepeatedWarnings(log)
+        self._tracing = tracing or NoTracing()
+        self._binary = config.envelope == "binary"
         self._claiming = asyncio.Lock()
         self._in_flight: list[_Flight] = []
 
@@ -269,7 +280,28 @@ class Batch:
 
     async def _publish(self, rows: list[OutboxRow], deadline: float) -> dict[RowId, PublishResult]:
         """asyncio side: publish ``rows`` in per-subject order until ``deadline`` (loop
-        time). Rows without a result were not sent and stay exactly as they were."""
+        time). Rows without a result were not sent and stay exactly as they were.
+        With tracing on, inside a span of its own (relay/tracing.py)."""
+        if not self._tracing.enabled:
+            return await self._publish_rows(rows, deadline, None)
+        span = self._tracing.publish_span(
+            [row.event_type for row in rows],
+            [
+                context
+                for row in rows
+                if (context := trace_context(row.traceparent, row.tracestate)) is not None
+            ],
+        )
+        results: dict[RowId, PublishResult] = {}
+        try:
+            results = await self._publish_rows(rows, deadline, span.context)
+        finally:
+            span.end(Counter(r.reason.value for r in results.values() if isinstance(r, Failed)))
+        return results
+
+    async def _publish_rows(
+        self, rows: list[OutboxRow], deadline: float, hop: TraceContext | None
+    ) -> dict[RowId, PublishResult]:
         results: dict[RowId, PublishResult] = {}
         messages: dict[RowId, Message] = {}
         max_payload = self._broker.max_payload
@@ -278,21 +310,13 @@ class Batch:
         for row in sorted(rows, key=lambda r: r.order_key):
             if row.subject in stopped:
                 continue  # behind a row rejected here: unsent, left as it is
-            if row.time is None:
-                rejected: tuple[FailureReason, str] | None = UNWRITABLE_TIME
-            else:
-                message = build_message(row, row.time)
-                rejected = rejection(row.event_type, message.wire_size, max_payload)
-                if rejected is None:
-                    problem = self._schema_check.problem(row.event_type, row.data)
-                    if problem is not None:
-                        rejected = (FailureReason.INVALID_DATA, problem)
-            if rejected is not None:
-                results[row.id] = Failed(*rejected)
-                stopped.add(row.subject)  # it goes dead and holds its subject
-            else:
-                messages[row.id] = message
+            built = self._message(row, max_payload, hop)
+            if isinstance(built, Message):
+                messages[row.id] = built
                 sendable.append(row)
+            else:
+                results[row.id] = Failed(*built)
+                stopped.add(row.subject)  # it goes dead and holds its subject
         self._failpoints.hit(failpoints.CRASH_BEFORE_PUBLISH)
         if not sendable:
             return results
@@ -313,6 +337,28 @@ class Batch:
         ):
             results.update(found)
         return results
+
+    def _message(
+        self, row: OutboxRow, max_payload: int, hop: TraceContext | None
+    ) -> Message | tuple[FailureReason, str]:
+        """The row's message, or the reason inside the row that it can never go."""
+        if row.time is None:
+            return UNWRITABLE_TIME
+        built = row_message(row, row.time, hop, binary=self._binary)
+        if not isinstance(built, Message):
+            return built
+        if row.traceparent is not None and trace_context(row.traceparent, None) is None:
+            self._warnings.warn(
+                f"row {row.id}: traceparent {row.traceparent[:80]!r} is not W3C Trace "
+                "Context: published without it"
+            )
+        rejected = rejection(row.event_type, built.wire_size, max_payload)
+        if rejected is not None:
+            return rejected
+        problem = self._schema_check.problem(row.event_type, row.data)
+        if problem is not None:
+            return FailureReason.INVALID_DATA, problem
+        return built
 
     async def _publish_waves(
         self, rows: list[OutboxRow], messages: Mapping[RowId, Message], deadline: float

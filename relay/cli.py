@@ -39,7 +39,9 @@ _NATS_OPTIONS = (
 )  # fmt: skip
 _VALIDATE_OPTIONS = (*_SQL_OPTIONS, "schemas", "schemas_required")
 # --publish-timeout: how long after its message was stored a row may be marked.
-_AUDIT_OPTIONS = (*_SQL_OPTIONS, *_NATS_OPTIONS, "publish_timeout", "retention", "audit_window")
+_AUDIT_OPTIONS = (
+    *_SQL_OPTIONS, *_NATS_OPTIONS, "publish_timeout", "retention", "audit_window", "envelope",
+)  # fmt: skip
 
 
 def _options_for(command: str) -> tuple[Option, ...]:
@@ -229,10 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         "drain and latency (about 6 minutes; needs pgbouncer)",
     )
     bench.add_argument(
-        "--validation",
+        "--features",
         action="store_true",
-        help="instead: the drain with --schemas against without, on an order-like payload "
-        "(about 3 minutes)",
+        help="instead: what --schemas, trace context and headers, and tracing on cost the "
+        "drain (about 5 minutes; tracing needs the otel extra)",
     )
     bench.add_argument(
         "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
@@ -379,13 +381,11 @@ def _bench(args: argparse.Namespace) -> int:
             if args.rate is not None:
                 plan = dataclasses.replace(plan, rate=args.rate)
             return soak.main(args.database_url, args.nats_url, plan, args.json)
-        if args.validation:
-            from relay_tools.bench import validation  # noqa: PLC0415
+        if args.features:
+            from relay_tools.bench import features  # noqa: PLC0415
 
-            check_plan = (
-                validation.ValidationPlan.quick() if args.quick else validation.ValidationPlan()
-            )
-            return validation.main(args.database_url, args.nats_url, check_plan, args.json)
+            features_plan = features.FeaturesPlan.quick() if args.quick else features.FeaturesPlan()
+            return features.main(args.database_url, args.nats_url, features_plan, args.json)
         if args.poolers:
             from relay_tools.bench import poolers  # noqa: PLC0415
 

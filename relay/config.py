@@ -129,6 +129,7 @@ class Config:
     # no setting outlives its transaction; "auto": see relay/poolers.py.
     database_pooler: str = "auto"
     poll_only: bool = False  # no LISTEN at all: the poll alone finds new rows
+    envelope: str = "structured"  # CloudEvents content mode: structured or binary
     schemas: str | None = None  # a folder of <event_type>.schema.json (relay/schemas.py)
     schemas_required: bool = False  # a type without a schema is invalid, not unchecked
     nats_urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
@@ -392,6 +393,12 @@ RUN_OPTIONS: tuple[Option, ...] = (
         _choice(*PUBLISH_MODE_CHOICES),
         "how batches go to JetStream: auto (fast batches where the stream allows them, "
         "else per message), batch, atomic, or message (one publish and ack per message)",
+    ),
+    Option(
+        "envelope",
+        _choice("structured", "binary"),
+        "CloudEvents content mode: structured (the JSON envelope is the body) or binary "
+        "(the body is the data, each attribute a ce- header)",
     ),
     _duration("poll_interval", "fallback poll when no notification comes"),
     _duration(

@@ -269,7 +269,7 @@ class Transaction:
             cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
             found = await cursor.fetchall()
         # The last row is the claim's summary (blocker null): where the next starts.
-        *found, (_, start_at, statement_at, xmin, xid, _, _, _, start_seq, _) = found
+        *found, (_, start_at, statement_at, xmin, xid, _, _, _, start_seq, *_) = found
         self._start.observe(
             ClaimSummary(start_at, start_seq, statement_at, int(xmin), xid and int(xid)), start
         )
@@ -453,11 +453,11 @@ class Database:
                 conn.execute, query(self.names, "relay_columns"), {"table": table_text}
             )
             columns = await aio.call(cursor.fetchone)
-            if columns is None or columns[0] != 6:
+            if columns is None or columns[0] != 9:
                 raise SetupError(
                     f"--table: table {self.config.table_display} lacks the relay's columns "
                     "(relay_retry_at, relay_last_error, relay_dead_at, relay_seq, "
-                    "relay_skipped_at, relay_late): "
+                    "relay_skipped_at, relay_late, traceparent, tracestate, headers): "
                     "run `outbox-relay install`"
                 )
             present = []

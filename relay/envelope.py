@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from json.encoder import encode_basestring
 from typing import NamedTuple
 
-from relay.model import OutboxRow
+from relay.headers import TraceContext, row_headers, trace_context
+from relay.model import FailureReason, OutboxRow
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
@@ -33,12 +35,37 @@ class Message(NamedTuple):
         return size
 
 
-def build_message(row: OutboxRow, time: str) -> Message:
+def build_message(
+    row: OutboxRow,
+    time: str,
+    trace: TraceContext | None = None,
+    extra_headers: Mapping[str, str] | None = None,
+    hop: TraceContext | None = None,
+) -> Message:
     """The envelope for ``row`` (whose RFC 3339 ``time`` the caller checked): the
     row's id is the envelope id and the dedupe key (``Nats-Msg-Id``), so a republish
     inside the stream's duplicate window is dropped by the broker and anywhere else
-    by the consumer."""
+    by the consumer.
+
+    ``trace``, the producer's trace context (checked: relay/headers.py), goes in the
+    CloudEvents distributed-tracing extension, and in the ``traceparent`` and
+    ``tracestate`` headers unless the relay's own span (``hop``) takes them, as the
+    extension's rule for each hop has it; ``extra_headers``, the row's own (guarded),
+    go in headers."""
     row_id = row.id
+    extension = ""
+    headers = {MSG_ID_HEADER: row_id}
+    if extra_headers:
+        headers.update(extra_headers)
+    if trace is not None:
+        extension = ',"traceparent":"' + trace.traceparent + '"'
+        if trace.tracestate:
+            extension += ',"tracestate":' + _quote(trace.tracestate)
+    carried = hop or trace
+    if carried is not None:
+        headers["traceparent"] = carried.traceparent
+        if carried.tracestate:
+            headers["tracestate"] = carried.tracestate
     # ``data`` arrives as jsonb's own text rendering, which is valid JSON: splice it in
     # rather than parse and re-serialise every payload.
     body = (
@@ -52,8 +79,76 @@ def build_message(row: OutboxRow, time: str) -> Message:
         + _quote(row.subject)
         + ',"time":"'
         + time
-        + '","datacontenttype":"application/json","data":'
+        + '","datacontenttype":"application/json"'
+        + extension
+        + ',"data":'
         + row.data
         + "}"
     )
-    return Message(row.event_type, body.encode(), {MSG_ID_HEADER: row_id})
+    return Message(row.event_type, body.encode(), headers)
+
+
+def row_message(
+    row: OutboxRow, time: str, hop: TraceContext | None = None, *, binary: bool = False
+) -> Message | tuple[FailureReason, str]:
+    """The message for ``row`` with what the row adds to it (relay/headers.py), or,
+    when its headers cannot be sent, the failure that makes it dead. A trace context
+    that is not valid is left out (the message then has no ``traceparent``).
+    ``binary``: the CloudEvents binary content mode (:func:`build_binary_message`)."""
+    extra, problem = row_headers(row.headers)
+    if problem is not None:
+        return FailureReason.INVALID_HEADERS, problem
+    trace = trace_context(row.traceparent, row.tracestate)
+    if binary:
+        return build_binary_message(row, time, trace, extra, hop)
+    return build_message(row, time, trace, extra, hop)
+
+
+# CloudEvents HTTP binding 3.1.3.2, which the NATS binding's binary mode follows: a
+# header value percent-encodes space, '"', '%' and everything outside printable ASCII
+# (as UTF-8 bytes).
+_HEADER_SAFE = frozenset(range(0x21, 0x7F)) - {0x22, 0x25}
+
+
+def percent_encode(value: str) -> str:
+    if value.isascii() and value.isprintable() and not any(c in value for c in ' "%'):
+        return value
+    return "".join(chr(byte) if byte in _HEADER_SAFE else f"%{byte:02X}" for byte in value.encode())
+
+
+def build_binary_message(
+    row: OutboxRow,
+    time: str,
+    trace: TraceContext | None = None,
+    extra_headers: Mapping[str, str] | None = None,
+    hop: TraceContext | None = None,
+) -> Message:
+    """The event in the CloudEvents binary content mode (``--envelope binary``): the
+    body is the data alone, each attribute a ``ce-`` header, ``content-type`` the
+    data's. The producer's trace context is the ``ce-traceparent`` and
+    ``ce-tracestate`` extension attributes; the ``traceparent`` header is this hop's,
+    as in :func:`build_message`."""
+    headers = {MSG_ID_HEADER: row.id}
+    if extra_headers:
+        headers.update(extra_headers)
+    headers.update(
+        {
+            "ce-specversion": "1.0",
+            "ce-id": row.id,
+            "ce-type": percent_encode(row.event_type),
+            "ce-source": percent_encode(row.source),
+            "ce-subject": percent_encode(row.subject),
+            "ce-time": time,
+            "content-type": "application/json",
+        }
+    )
+    if trace is not None:
+        headers["ce-traceparent"] = trace.traceparent
+        if trace.tracestate:
+            headers["ce-tracestate"] = percent_encode(trace.tracestate)
+    carried = hop or trace
+    if carried is not None:
+        headers["traceparent"] = carried.traceparent
+        if carried.tracestate:
+            headers["tracestate"] = carried.tracestate
+    return Message(row.event_type, row.data.encode(), headers)

@@ -32,6 +32,11 @@ class OutboxRow(NamedTuple):
     created_at: float
     seq: int
     attempts: int
+    # Optional columns a producer may write (relay/headers.py): its W3C trace
+    # context, and headers of its own as a JSON object's text.
+    traceparent: str | None = None
+    tracestate: str | None = None
+    headers: str | None = None
 
     @property
     def order_key(self) -> tuple[float, int, RowId]:
@@ -64,6 +69,7 @@ class FailureReason(enum.StrEnum):
     INVALID_SUBJECT = "invalid_subject"
     INVALID_TIME = "invalid_time"
     INVALID_DATA = "invalid_data"  # the data fails its event type's schema (--schemas)
+    INVALID_HEADERS = "invalid_headers"  # a reserved header, or one NATS cannot carry
     REFUSED = "refused"
     RELAY_ERROR = "relay_error"  # unexpected: the relay's, or its client library's
 
@@ -90,6 +96,7 @@ _PERMANENT = frozenset(
         FailureReason.INVALID_SUBJECT,
         FailureReason.INVALID_TIME,
         FailureReason.INVALID_DATA,
+        FailureReason.INVALID_HEADERS,
     }
 )
 _BROKER_FAULTS = frozenset(

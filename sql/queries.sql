@@ -114,7 +114,8 @@ horizon as materialized (
 ),
 claimed as materialized (
   select o.id, o.event_type, o.source, o.subject, {rfc3339_time(o)} as time,
-         o.data::text as data, o.created_at, o.relay_seq, o.attempts
+         o.data::text as data, o.created_at, o.relay_seq, o.attempts,
+         o.traceparent, o.tracestate, o.headers::text as headers
     from {table} o
    where {claimable(o)}
      and (o.created_at, o.relay_seq)
@@ -158,12 +159,13 @@ ahead as (
 )
 select false as blocker, id::text, event_type, source, subject, time, data,
        extract(epoch from created_at)::float8 as created_at,
-       coalesce(relay_seq, 9223372036854775807) as relay_seq, attempts
+       coalesce(relay_seq, 9223372036854775807) as relay_seq, attempts,
+       traceparent, tracestate, headers
   from claimed
 union all
 select true, a.id::text, null, null, a.subject, null, null,
        extract(epoch from a.created_at)::float8,
-       coalesce(a.relay_seq, 9223372036854775807), null
+       coalesce(a.relay_seq, 9223372036854775807), null, null, null, null
   from ahead a
  -- Fence: "is true" keeps this a hashed subplan, as "not in" below is; a bare "in"
  -- becomes a semi join that, on statistics from before a burst, loops over every
@@ -178,7 +180,7 @@ union all
 select null, (select created_at from start)::text, statement_timestamp()::text,
        pg_snapshot_xmin(pg_current_snapshot())::text,
        pg_current_xact_id_if_assigned()::text, null, null, null,
-       (select relay_seq from start), null;
+       (select relay_seq from start), null, null, null, null;
 
 -- name: mark_published
 -- The ids come as one uuid[] literal in a string: the relay holds them as text, and
@@ -237,7 +239,7 @@ select count(*), max(published_at)::text from deleted;
 select count(*) from pg_attribute
  where attrelid = %(table)s::regclass
    and attname in ('relay_retry_at', 'relay_last_error', 'relay_dead_at', 'relay_seq',
-                   'relay_skipped_at', 'relay_late')
+                   'relay_skipped_at', 'relay_late', 'traceparent', 'tracestate', 'headers')
    and not attisdropped;
 
 -- name: trigger_present
@@ -399,7 +401,8 @@ select id::text, event_type, subject, extract(epoch from published_at)::float8
 -- publishing order.
 select id::text, event_type, source, subject, {rfc3339_time(r)} as time,
        data::text as data, extract(epoch from created_at)::float8 as created_at,
-       coalesce(relay_seq, 9223372036854775807) as relay_seq, attempts
+       coalesce(relay_seq, 9223372036854775807) as relay_seq, attempts,
+       traceparent, tracestate, headers::text
   from {table} r
  where id = any(%(ids)s::text[]::uuid[])
  order by created_at, relay_seq;

@@ -45,9 +45,10 @@ def start_relay(relays: list[RelayProcess], db_url: str):
         database_url: str | None = None,
         nats_url: str = SHARED_NATS_URL,
         wait_ready: bool = True,
+        environment: dict[str, str] | None = None,
         **settings: object,
     ) -> RelayProcess:
-        relay = RelayProcess(database_url or db_url, nats_url, **settings)
+        relay = RelayProcess(database_url or db_url, nats_url, environment, **settings)
         relays.append(relay)
         return relay.start(wait_ready=wait_ready)
 

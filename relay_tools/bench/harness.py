@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,19 +151,24 @@ class Target:
         *,
         one_transaction: bool = False,
         data: str = "jsonb_build_object('n', g, 'pad', repeat('x', 200))",
+        columns: Mapping[str, str] | None = None,
     ) -> None:
         """A backlog of ``rows`` committed rows, inserted without notifying anyone:
         each with its own created_at (as many small transactions leave them), or all
         written by one transaction and so sharing one (a backfill, a bulk import).
-        ``data``: the SQL of each row's data, from the series number ``g``."""
+        ``data``: the SQL of each row's data, from the series number ``g``;
+        ``columns``: more columns, each with the SQL of its value."""
         created_at = "now()" if one_transaction else "clock_timestamp()"
+        names = "".join(f", {name}" for name in columns or {})
+        values = "".join(f", {value}" for value in (columns or {}).values())
         async with await psycopg.AsyncConnection.connect(self.url) as c:
             for start in range(0, rows, 100_000):
                 count = min(100_000, rows - start)
                 await c.execute(
                     "insert into outbox_events (id, event_type, source, subject, time, data, "
-                    "created_at) select gen_random_uuid(), %s, 'bench', 's' || (g %% %s::int), "
-                    f"now(), {data}, {created_at} from generate_series(%s::int, %s::int) g",
+                    f"created_at{names}) select gen_random_uuid(), %s, 'bench', "
+                    f"'s' || (g %% %s::int), now(), {data}, {created_at}{values} "
+                    "from generate_series(%s::int, %s::int) g",
                     (self.event_type, subjects, start, start + count - 1),
                 )
                 if not one_transaction:
@@ -283,7 +288,13 @@ class RelayProcess:
             "OUTBOX_RELAY_METRICS_PORT": "0",
             "OUTBOX_RELAY_LOG_LEVEL": "warning",
         }
-        self._env.update({f"OUTBOX_RELAY_{k.upper()}": v for k, v in settings.items()})
+        # The relay's options by name; OpenTelemetry's variables (OTEL_*) as they are.
+        self._env.update(
+            {
+                k if k.startswith("OTEL_") else f"OUTBOX_RELAY_{k.upper()}": v
+                for k, v in settings.items()
+            }
+        )
         self.process: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> RelayProcess:

@@ -176,18 +176,21 @@ async def drain_rate(
     shape: Shape = Shape(),
     settings: Mapping[str, str] | None = None,
     data: str | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> float:
     """Rows/s to publish a backlog of ``rows`` committed rows (``settings``: the
-    relays' options; ``data``: each row's data as SQL, see Target.fill)."""
+    relays' options; ``data`` and ``columns``: each row's, as SQL, see Target.fill)."""
     if shape.dead_ahead:
         # Before the relays start: the incident is over, the relays were restarted.
         await target.add_dead(shape.dead_ahead, Config().max_attempts)
     async with _publisher(target, plain, shape.replicas, **(settings or {})):
         # The relays (or poller) are running and idle; the backlog lands at once.
         if data is None:
-            await target.fill(rows, one_transaction=shape.one_transaction)
+            await target.fill(rows, one_transaction=shape.one_transaction, columns=columns)
         else:
-            await target.fill(rows, one_transaction=shape.one_transaction, data=data)
+            await target.fill(
+                rows, one_transaction=shape.one_transaction, data=data, columns=columns
+            )
         started = time.perf_counter()
         await target.execute("select pg_notify('outbox_events', '')")
         await target.wait_until_drained(0.05)

@@ -15,6 +15,9 @@
 -- relay_late: the row may sit before the relays' start keys: inserted long after
 -- its created_at, or brought back by `requeue` (sql/install/004_late_rows.sql).
 -- relay_seq: insertion order (below).
+-- traceparent, tracestate, headers: written by a producer that wants them, never
+-- required: its W3C trace context at the time of the write, and headers of its own
+-- for the message (a JSON object of strings; relay/headers.py guards them).
 --
 -- Every change is made only when missing (checked in the catalog first), so an
 -- install on an installed table takes no lock on it: "alter table ... add column
@@ -26,7 +29,8 @@ begin
   foreach missing slice 1 in array array[
       ['relay_retry_at', 'timestamptz'], ['relay_last_error', 'text'],
       ['relay_dead_at', 'timestamptz'], ['relay_skipped_at', 'timestamptz'],
-      ['relay_seq', 'bigint'], ['relay_late', 'boolean']]
+      ['relay_seq', 'bigint'], ['relay_late', 'boolean'],
+      ['traceparent', 'text'], ['tracestate', 'text'], ['headers', 'jsonb']]
   loop
     if not exists (select 1 from pg_attribute
                     where attrelid = {table_name}::regclass and attname = missing[1]

@@ -181,17 +181,18 @@ def test_the_poolers_quick_mode_measures_every_arrangement(tmp_path):
     assert "| PgBouncer transaction mode + --listen-database-url direct |" in result.stdout
 
 
-def test_the_validation_quick_mode_drains_with_and_without_schemas(tmp_path):
-    """Both drains run on the order payload, every row valid against the bench's
-    own schema (a row dead would stop the bench); the ratio is printed."""
-    out = tmp_path / "validation.json"
+def test_the_features_quick_mode_drains_each_arrangement(tmp_path):
+    """Every arrangement drains the order payload, no row dead (the bench stops on
+    one) and spans exported with tracing on; the ratios are printed."""
+    out = tmp_path / "features.json"
     result = subprocess.run(
-        [sys.executable, "-m", "relay", "bench", "--validation", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "relay", "bench", "--features", "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(out.read_text())
-    assert len(document["without"]) == len(document["with_schemas"]) == 1
-    assert document["ratios"][0] > 0
-    assert "with --schemas within 10% of the drain without" in result.stdout
+    for key in ("without", "with_schemas", "traced", "tracing_on"):
+        assert len(document[key]) == 1, key
+    assert set(document["ratios"]) == {"with_schemas", "traced", "tracing_on"}
+    assert "[MET]" in result.stdout or "[NOT MET]" in result.stdout

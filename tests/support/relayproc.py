@@ -36,8 +36,15 @@ def wait_until(
 
 
 class RelayProcess:
-    def __init__(self, database_url: str | None, nats_url: str, **settings: Any) -> None:
-        """``database_url`` None: the settings name it some other way (a file)."""
+    def __init__(
+        self,
+        database_url: str | None,
+        nats_url: str,
+        environment: dict[str, str] | None = None,
+        **settings: Any,
+    ) -> None:
+        """``database_url`` None: the settings name it some other way (a file).
+        ``environment``: more variables, as they are (``OTEL_*``, say)."""
         self.metrics_port = free_port()
         self.env = {
             **os.environ,
@@ -50,6 +57,7 @@ class RelayProcess:
         }
         for key, value in settings.items():
             self.env[f"OUTBOX_RELAY_{key.upper()}"] = str(value)
+        self.env.update(environment or {})
         self.log_path = Path(tempfile.mkstemp(prefix="relay-", suffix=".log")[1])
         self.process: subprocess.Popen[bytes] | None = None
 

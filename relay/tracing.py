@@ -1,0 +1,173 @@
+"""OpenTelemetry spans, optional: on when the standard `OTEL_*` variables name an
+exporter endpoint and the `otel` extra is installed (`pip install
+'outbox-relay[otel]'`); off otherwise, at the cost of one attribute check a batch.
+
+One span per publish of a batch (its rows of one claim that go out together),
+after the OpenTelemetry messaging conventions for a batch send: kind PRODUCER,
+`messaging.system = nats`, the destination when the batch has one subject, the
+batch's size, and a link to each row's producer context. Each message's
+`traceparent` header then names this span; the producer's context stays in the
+CloudEvents extension (relay/envelope.py). A batch with failed rows records them on
+the span.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from relay.headers import TraceContext
+
+log = logging.getLogger(__name__)
+
+# The SDK's variables that ask for traces to be exported (the exporter reads them).
+_ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+class PublishSpan(Protocol):
+    """The span of one batch publish, as the batch uses it."""
+
+    @property
+    def context(self) -> TraceContext | None:
+        """The context each message's headers carry (None: the producer's)."""
+        ...
+
+    def end(self, failed: Mapping[str, int]) -> None:
+        """End the span; ``failed`` counts the rows that failed, by reason."""
+        ...
+
+
+class Tracing(Protocol):
+    enabled: bool
+
+    def publish_span(
+        self, subjects: Sequence[str], links: Sequence[TraceContext]
+    ) -> PublishSpan: ...
+
+    def shutdown(self) -> None: ...
+
+
+class _NoSpan:
+    context = None
+
+    def end(self, failed: Mapping[str, int]) -> None:
+        return None
+
+
+class NoTracing:
+    enabled = False
+
+    def publish_span(self, subjects: Sequence[str], links: Sequence[TraceContext]) -> PublishSpan:
+        return _NoSpan()
+
+    def shutdown(self) -> None:
+        return None
+
+
+def tracing_requested(environ: Mapping[str, str]) -> bool:
+    """Whether the environment asks for exported traces (and does not turn them off)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        return False
+    return any(environ.get(name) for name in _ENDPOINTS)
+
+
+def start_tracing(environ: Mapping[str, str] | None = None) -> Tracing:
+    """The SDK's tracing when the environment asks for it and the extra is
+    installed; NoTracing (with one warning if the extra is missing) otherwise."""
+    environ = os.environ if environ is None else environ
+    if not tracing_requested(environ):
+        return NoTracing()
+    try:
+        return _OtelTracing()
+    except ImportError as exc:
+        log.warning(
+            "OTEL_EXPORTER_OTLP_ENDPOINT is set but OpenTelemetry is not installed (%s): "
+            "no spans; pip install 'outbox-relay[otel]'",
+            exc.name,
+        )
+        return NoTracing()
+
+
+class _OtelSpan:
+    def __init__(self, span: Any, status_error: Any) -> None:
+        self._span = span
+        self._status_error = status_error
+        context = span.get_span_context()
+        self.context = TraceContext(
+            f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}",
+            context.trace_state.to_header() or None,
+        )
+
+    def end(self, failed: Mapping[str, int]) -> None:
+        if failed:
+            reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(failed.items()))
+            self._span.set_attribute("outbox_relay.failed_rows", sum(failed.values()))
+            self._span.set_status(self._status_error, f"rows not published ({reasons})")
+        self._span.end()
+
+
+class _OtelTracing:
+    enabled = True
+
+    def __init__(self) -> None:
+        # Imported here: the extra is optional, and without it nothing is loaded.
+        from opentelemetry import trace  # noqa: PLC0415
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+            OTLPSpanExporter,
+        )
+        from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
+        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+        from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags  # noqa: PLC0415
+        from opentelemetry.trace.status import StatusCode  # noqa: PLC0415
+
+        from relay import __version__  # noqa: PLC0415
+
+        # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over these defaults.
+        resource = Resource.create({"service.version": __version__}).merge(
+            Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or "outbox-relay"})
+        )
+        self._provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER applies
+        self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        self._tracer = trace.get_tracer("outbox-relay", __version__, self._provider)
+        self._link = Link
+        self._span_context = SpanContext
+        self._flags = TraceFlags
+        self._kind = SpanKind.PRODUCER
+        self._error = StatusCode.ERROR
+        log.info("OpenTelemetry tracing on: a span per batch publish")
+
+    def publish_span(self, subjects: Sequence[str], links: Sequence[TraceContext]) -> PublishSpan:
+        distinct = set(subjects)
+        destination = next(iter(distinct)) if len(distinct) == 1 else None
+        attributes: dict[str, Any] = {
+            "messaging.system": "nats",
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "publish",
+            "messaging.batch.message_count": len(subjects),
+        }
+        if destination is not None:
+            attributes["messaging.destination.name"] = destination
+        span = self._tracer.start_span(
+            f"send {destination}" if destination else "send",
+            kind=self._kind,
+            attributes=attributes,
+            links=[self._link(self._producer_context(link)) for link in links],
+        )
+        return _OtelSpan(span, self._error)
+
+    def _producer_context(self, context: TraceContext) -> Any:
+        _, trace_id, span_id, flags = context.traceparent.split("-")[:4]
+        return self._span_context(
+            int(trace_id, 16),
+            int(span_id, 16),
+            is_remote=True,
+            trace_flags=self._flags(int(flags, 16)),
+        )
+
+    def shutdown(self) -> None:
+        self._provider.shutdown()  # exports what is left

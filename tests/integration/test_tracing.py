@@ -1,0 +1,92 @@
+"""OpenTelemetry over a real OTLP/HTTP connection: the relay's SDK exporter sends to
+a small receiver (relay_tools/otlpsink.py), which decodes the protobuf. One
+request's trace id is found on the producer's side (the row), the relay's span
+(linked), and the message a consumer reads (its traceparent names the relay's
+span; the envelope keeps the producer's)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from relay_tools.otlpsink import OtlpSink
+from tests.integration.test_headers import TRACEPARENT, insert_with
+from tests.support import database
+from tests.support.database import Event
+from tests.support.relayproc import wait_until
+
+pytestmark = pytest.mark.integration
+
+PRODUCER_TRACE = TRACEPARENT.split("-")[1]
+PRODUCER_SPAN = TRACEPARENT.split("-")[2]
+SPAN_KIND_PRODUCER = 4  # opentelemetry.proto.trace.v1.Span.SpanKind
+STATUS_ERROR = 2
+
+
+@pytest.fixture
+def sink():
+    with OtlpSink() as receiver:
+        yield receiver
+
+
+def tracing_relay(start_relay, sink: OtlpSink, **settings):
+    return start_relay(
+        environment={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "50",  # ms: export soon after each span
+            "OTEL_SERVICE_NAME": "relay-under-test",
+        },
+        poll_interval="200ms",
+        **settings,
+    )
+
+
+def test_one_trace_from_the_row_through_the_relays_span_to_the_message(
+    db_url, stream, start_relay, sink
+):
+    relay = tracing_relay(start_relay, sink)
+    event = Event(stream.subject("order.paid"), "order-1", {"amount": 5})
+    insert_with(db_url, event, traceparent=TRACEPARENT, tracestate="shop=a1")
+    wait_until(lambda: len(stream.read()) == 1, message="published")
+    linked = wait_until(
+        lambda: [s for s in sink.spans if (PRODUCER_TRACE, PRODUCER_SPAN) in s.links],
+        message="the relay's span, linked to the producer's",
+    )
+    span = linked[0]
+    assert span.name == f"send {event.event_type}"
+    assert span.kind == SPAN_KIND_PRODUCER
+    assert span.attributes["messaging.system"] == "nats"
+    assert span.attributes["messaging.destination.name"] == event.event_type
+    assert span.attributes["messaging.batch.message_count"] == 1
+    message = stream.read()[0]
+    # The header is this hop's (the relay's span); the envelope keeps the producer's.
+    _, trace_id, span_id, _ = message.headers["traceparent"].split("-")
+    assert (trace_id, span_id) == (span.trace_id, span.span_id)
+    assert message.envelope["traceparent"] == TRACEPARENT
+    assert message.envelope["tracestate"] == "shop=a1"
+    assert "OpenTelemetry tracing on" in relay.logs()
+
+
+def test_a_failure_is_recorded_on_the_span(db_url, stream, start_relay, sink):
+    tracing_relay(start_relay, sink)
+    rogue = Event(stream.subject("order.paid"), "order-2", {"n": 1})
+    insert_with(db_url, rogue, headers=json.dumps({"Nats-Rollup": "all"}), traceparent=TRACEPARENT)
+    failed = wait_until(
+        lambda: [s for s in sink.spans if s.status_code == STATUS_ERROR],
+        message="a span with the failure",
+    )
+    assert "invalid_headers: 1" in failed[0].status_message
+    assert failed[0].attributes["outbox_relay.failed_rows"] == 1
+    assert database.dead_count(db_url, 20) == 1
+
+
+def test_without_an_endpoint_nothing_is_exported(db_url, stream, start_relay, sink):
+    relay = start_relay(poll_interval="200ms")
+    event = Event(stream.subject("order.paid"), "order-3", {"amount": 5})
+    insert_with(db_url, event, traceparent=TRACEPARENT)
+    wait_until(lambda: len(stream.read()) == 1, message="published")
+    # No span of the relay's: the header carries the producer's context unchanged.
+    assert stream.read()[0].headers["traceparent"] == TRACEPARENT
+    assert "OpenTelemetry" not in relay.logs()
+    assert sink.requests == 0
