@@ -106,6 +106,7 @@ class Relay:
             listener=self.listener,
         )
         self._scheduler_started = False
+        self._said_not_heard = False
         self._scheduler_done = trio.Event()
         self.metrics.ready.set_function(lambda: 0.0 if self.health.not_ready_reason() else 1.0)
 
@@ -114,8 +115,9 @@ class Relay:
         that URL is a transaction pooler (relay/poolers.py)."""
         if self.database.pooled is None:
             self.database.learn_pooler(not heard)
-        if heard:
-            return
+        if heard or self._said_not_heard:
+            return  # said once; the check is tried again every few minutes
+        self._said_not_heard = True
         also = (
             " and, as --database-url is that pooler, preparing nothing and setting "
             "nothing beyond a transaction"

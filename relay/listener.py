@@ -93,6 +93,10 @@ def server_idle_timeout(keepalive: float) -> float:
 # connection must come back on this one. Tries, and how long each waits.
 SELF_CHECK_TRIES = 3
 SELF_CHECK_SECONDS = 1.0
+# After a failed check, how long the relay runs on its poll before it checks again
+# (a check that failed for a moment's reason, a database too busy to deliver within
+# the seconds above, must not leave a relay on its poll for good).
+SELF_CHECK_AGAIN = 300.0
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -127,6 +131,7 @@ class Listener:
         self._connect = connect
         self._channel = channel
         self._self_check = self_check
+        self._checker = self_check
         self._on_checked = on_checked
         self._poll_only = poll_only
         self._keepalive = keepalive
@@ -174,7 +179,7 @@ class Listener:
             reason = "connect timed out" if isinstance(exc, trio.TooSlowError) else first_line(exc)
             return f"LISTEN connection lost: {reason}"
 
-        while not self._poll_only:  # _listen_once returns when the connection is lost
+        while True:  # _listen_once returns when the connection is lost or not heard
             await retry(
                 lambda: self._listen_once(backoff),
                 failures=(RelayError, trio.TooSlowError),
@@ -182,9 +187,11 @@ class Listener:
                 describe=describe,
                 on_failure=lambda _: self._set_state(up=False),
             )
+            if self._health.poll_only:
+                await trio.sleep(SELF_CHECK_AGAIN)
+                self._self_check = self._checker
 
     def _run_on_the_poll(self, reason: str) -> None:
-        self._poll_only = reason
         self._health.poll_only = reason
         self._metrics.poll_only.set(1)
         self._set_state(up=False)
@@ -196,11 +203,15 @@ class Listener:
             await conn.listen(self._channel)
             if self._self_check is not None:
                 heard = await self._heard_itself(conn)
-                self._self_check = None  # once: it tells the URL's kind, not the moment's
+                self._self_check = None  # at the first connect (and after a failed one)
                 self._on_checked(heard)
                 if not heard:
                     self._run_on_the_poll("the LISTEN connection hears no notification")
                     return
+                if self._health.poll_only:
+                    log.info("the LISTEN connection hears notifications now: listening")
+                    self._health.poll_only = ""
+                    self._metrics.poll_only.set(0)
             self._set_state(up=True)
             backoff.reset()
             log.info("listening on channel %s", self._channel)

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from relay.errors import DatabaseUnavailable
 from relay.health import Health
-from relay.listener import Listener, Sleep
+from relay.listener import SELF_CHECK_AGAIN, Listener, Sleep
 from relay.metrics import Metrics
 from relay.wakeup import Wakeup
 
@@ -139,10 +139,12 @@ class World:
     def conn(self) -> FakeConnection:
         return self.server.connections[-1]
 
-    async def until(self, predicate: Callable[[], bool], limit: float = 60.0) -> None:
+    async def until(
+        self, predicate: Callable[[], bool], limit: float = 60.0, step: float = 0.001
+    ) -> None:
         with trio.fail_after(limit):
             while not predicate():  # noqa: ASYNC110 - polling plain state on a virtual clock
-                await trio.sleep(0.001)
+                await trio.sleep(step)
 
 
 def run(test: Callable[[World], Awaitable[None]], **kwargs: float) -> None:
@@ -395,3 +397,27 @@ def test_poll_only_never_connects():
         assert await world.listener.prepare_sleep() is Sleep.DEAF
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_failed_self_check_is_tried_again_and_a_heard_one_resumes_listening():
+    """A check that failed for a moment's reason does not leave the relay on its
+    poll for good: minutes later it checks again, and listens once it hears."""
+    world = CheckedWorld(delivers=False)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world.listener.run)
+            await world.until(lambda: bool(world.health.poll_only), limit=30)
+            world.server.delivers = True
+            started = trio.current_time()
+            await world.until(
+                lambda: world.health.listening, limit=SELF_CHECK_AGAIN + 60, step=0.5
+            )
+            assert trio.current_time() - started >= SELF_CHECK_AGAIN - 5
+            assert world.health.poll_only == ""
+            assert world.metrics.poll_only._value.get() == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert world.checked == [False, True]
+    assert len(world.server.connections) == 2
