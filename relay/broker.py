@@ -45,8 +45,8 @@ from relay.inboxes import (
 )
 from relay.logs import RepeatedWarnings
 from relay.model import Failed, FailureReason, PublishResult
+from relay.natsinternals import bound_unacknowledged_data, queue_frames, send_queued
 from relay.natsinternals import check as check_nats_internals
-from relay.natsinternals import queue_frames, send_queued
 from relay.replies import NO_STREAM, NO_STREAM_QUESTION_TIMEOUT, api_error, classify, denied_subject
 from relay.streams import PublishMode, StreamModes, choose_mode, describe_modes, stream_for
 
@@ -140,6 +140,8 @@ class Broker:
             log.info("NATS reconnected to %s", redact_nats_url(url.geturl()) if url else "?")
             self._streams_stale = True  # a change while away sent no advisory here
             self._streams_due = 0.0
+            if self._nc is not None:
+                bound_unacknowledged_data(self._nc)  # the new connection's socket
             self._on_change(True)
 
         async def error(exc: Exception) -> None:
@@ -172,6 +174,11 @@ class Broker:
             servers = ", ".join(redact_nats_url(u) for u in self._urls)
             raise BrokerUnavailable(f"cannot connect to NATS at {servers}: {exc}") from exc
         check_nats_internals(self._nc)
+        if not bound_unacknowledged_data(self._nc):
+            log.warning(
+                "cannot bound unacknowledged data on the NATS socket (this nats-py hides "
+                "it): a path that drops packets may take minutes to notice"
+            )
         self._js = self._nc.jetstream()
         await aio.call(self._watch_streams, self._nc)
         self._on_change(True)

@@ -13,6 +13,8 @@ the relay holds in memory anyway, and they go to the socket at once.
 
 from __future__ import annotations
 
+import socket
+
 from nats.aio.client import Client
 
 from relay.errors import SetupError
@@ -51,4 +53,24 @@ def queue_frames(nc: Client, frames: list[bytes]) -> bool:
         return False
     nc._pending.extend(frames)
     nc._pending_data_size += sum(map(len, frames))
+    return True
+
+
+# How long data may go unacknowledged on the NATS socket before the kernel gives the
+# connection up: as tcp_user_timeout on the database connections.
+TCP_USER_TIMEOUT_MS = 10_000
+
+
+def bound_unacknowledged_data(nc: Client) -> bool:
+    """Make the kernel give up the connection once data has gone unacknowledged for
+    TCP_USER_TIMEOUT_MS. Without it, a path that silently drops packets while the
+    socket's send buffer is full keeps nats-py's reconnect waiting for the old
+    transport to close (its buffered data never drains) for as long as TCP retries,
+    about 15 minutes, and nothing is published meanwhile. False when this nats-py's
+    transport does not show its socket (then the kernel's default stands)."""
+    writer = getattr(nc._transport, "_io_writer", None)
+    sock = writer.get_extra_info("socket") if writer is not None else None
+    if sock is None or not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return False
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
     return True

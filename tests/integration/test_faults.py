@@ -19,6 +19,7 @@ import pytest
 from tests.support import database
 from tests.support.campaign import Campaign
 from tests.support.checker import Committed, Verdict
+from tests.support.database import Event
 from tests.support.failover import ThrowawayStandby, failover_url, make_synchronous
 from tests.support.proxy import proxy_to
 from tests.support.relayproc import RelayProcess, wait_until
@@ -616,3 +617,34 @@ def test_postgres_failover_to_a_synchronous_standby(start_relay):
             campaign.close()
         finally:
             standby.destroy()
+
+
+def test_a_dropped_nats_path_with_a_full_send_buffer_is_noticed(db_url, stream, start_relay):
+    """Packets to NATS silently dropped while the relay has more to send than the
+    socket takes: nats-py's reconnect first waits for the old transport to close,
+    which waits for its buffered data to drain. Without a bound on unacknowledged
+    data that is TCP's own retry limit, about 15 minutes without a publish; with
+    the relay's (10 s) it is noticed, and publishing resumes once the path is back."""
+    with proxy_to(port_of(SHARED_NATS_URL)) as proxy:
+        relay = start_relay(nats_url=f"nats://127.0.0.1:{proxy.port}", **FAST)
+        big = {"pad": "x" * 60_000}
+        events = [Event(stream.subject("big"), f"s{n % 50}", big) for n in range(1_500)]
+        database.insert(db_url, events)
+        wait_until(
+            lambda: relay.metric("outbox_relay_published_total", event_type=stream.subject("big")),
+            message="publishing under way",
+        )
+        proxy.set_mode("drop")
+        wait_until(
+            lambda: relay.metric("outbox_relay_nats_connected") == 0,
+            timeout=45,
+            interval=0.2,
+            message="the relay noticing the dropped path",
+        )
+        proxy.set_mode("pass")
+        wait_until(
+            lambda: database.unpublished_count(db_url) == 0,
+            timeout=120,
+            message="every row published after the path came back",
+        )
+    assert sorted(m.msg_id for m in stream.read()) == sorted(str(e.id) for e in events)

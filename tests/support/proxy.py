@@ -49,9 +49,21 @@ class Proxy:
         self._thread.start()
 
     def _listen(self) -> None:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
+        # The listener "cut" closed may still be held by the accept loop's call in
+        # flight (up to its 0.1 s timeout): until that returns, the port is taken.
+        deadline = time.monotonic() + 5.0
+        while True:
+            listener = socket.socket()
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                listener.bind(("127.0.0.1", self.port))
+            except OSError:
+                listener.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            break
         listener.listen(128)
         listener.settimeout(0.1)
         self._listener = listener
@@ -73,6 +85,8 @@ class Proxy:
                         _reset(upstream)
                 self._pairs.clear()
             if mode == "cut" and self._listener is not None:
+                with contextlib.suppress(OSError):  # wakes the accept loop's call
+                    self._listener.shutdown(socket.SHUT_RDWR)
                 self._listener.close()
                 self._listener = None
             elif mode != "cut" and self._listener is None:

@@ -410,9 +410,7 @@ def test_a_failed_self_check_is_tried_again_and_a_heard_one_resumes_listening():
             await world.until(lambda: bool(world.health.poll_only), limit=30)
             world.server.delivers = True
             started = trio.current_time()
-            await world.until(
-                lambda: world.health.listening, limit=SELF_CHECK_AGAIN + 60, step=0.5
-            )
+            await world.until(lambda: world.health.listening, limit=SELF_CHECK_AGAIN + 60, step=0.5)
             assert trio.current_time() - started >= SELF_CHECK_AGAIN - 5
             assert world.health.poll_only == ""
             assert world.metrics.poll_only._value.get() == 0
