@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test lint typecheck unit demo bench clean
+.PHONY: test lint typecheck unit demo bench docs clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,9 +36,19 @@ test: lint typecheck
 demo: $(BIN)/.installed
 	@$(BIN)/outbox-relay demo
 
-# Every figure of the README's performance section (several minutes).
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link
+# or a page missing from the navigation fails it.
+$(BIN)/.docs-installed: pyproject.toml
+	$(MAKE) $(BIN)/.installed
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(BIN)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# Every figure of the performance page (several minutes).
 bench: $(BIN)/.installed
 	$(BIN)/outbox-relay bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info site

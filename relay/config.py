@@ -281,7 +281,7 @@ class Option:
     parse: Callable[[str], Any]
     help: str
     show: Callable[[Any], str] = str
-    # Read from its variable only: no flag, and not in --help or the README's table.
+    # Read from its variable only: no flag, and not in --help or the docs' table.
     test_only: bool = False
     # May come from a file named by its variable + "_FILE" (a mounted secret), read
     # when neither the flag nor the variable itself is given.

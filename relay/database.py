@@ -484,8 +484,9 @@ class Database:
         )
 
     async def notify(self, channel: str, payload: str) -> None:
-        """Send a notification on a connection of its own to --database-url (the
-        LISTEN self-check; not the pool's, whose connections wait for its answer)."""
+        """Send a notification on a short connection of its own to --database-url
+        (the LISTEN self-check), which sets nothing: through a pooler it leaves
+        nothing behind on the server connection it gets."""
         async with translated("notify"):
             await aio.call(_notify, self._conninfo, channel, payload)
 

@@ -1,7 +1,8 @@
-"""The README's configuration and metrics tables, generated from the options and
-from relay/metrics.toml.
+"""The configuration page's options and metrics tables (docs/configuration.md),
+generated from the options and from relay/metrics.toml.
 
-``python -m relay.docs`` prints both; a test checks the README carries them as is.
+``python -m relay.docs`` writes both into the page between their markers; a test
+checks the page carries them as they are.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from relay.config import RUN_OPTIONS, default_value
 from relay.metrics import metric_table
 
-# How a metric's kind reads in the README, and the suffix Prometheus gives its series.
+# How a metric's kind reads in the docs, and the suffix Prometheus gives its series.
 _KIND = {
     "counter": ("counter", "_total"),
     "gauge": ("gauge", ""),
@@ -43,10 +44,18 @@ def metrics_table() -> str:
     return "\n".join(lines)
 
 
+def with_tables(page: str) -> str:
+    """``page`` with the text between each table's markers replaced by the table."""
+    for marker, table in (("options", options_table()), ("metrics", metrics_table())):
+        begin, end = f"<!-- {marker}:begin -->\n", f"\n<!-- {marker}:end -->"
+        start, stop = page.index(begin) + len(begin), page.index(end)
+        page = page[:start] + table + page[stop:]
+    return page
+
+
 if __name__ == "__main__":
-    print("<!-- options:begin -->")
-    print(options_table())
-    print("<!-- options:end -->\n")
-    print("<!-- metrics:begin -->")
-    print(metrics_table())
-    print("<!-- metrics:end -->")
+    from pathlib import Path
+
+    configuration = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    configuration.write_text(with_tables(configuration.read_text()))
+    print(f"wrote the options and metrics tables into {configuration}")

@@ -125,9 +125,9 @@ class Listener:
     ) -> None:
         """``self_check`` sends a notification with a payload through a connection
         other than this one, for the check at the first connect (None: no check);
-        ``on_checked`` hears whether it came back (if not, this task stops: the
-        relay runs on its poll). ``poll_only``, when not empty, says why the relay
-        listens not at all."""
+        ``on_checked`` hears whether it came back (if not, the relay runs on its
+        poll, and checks again after SELF_CHECK_AGAIN). ``poll_only``, when not
+        empty, says why the relay listens not at all."""
         self._connect = connect
         self._channel = channel
         self._self_check = self_check

@@ -122,7 +122,7 @@ class BoundedLabel:
 
 def metric_table() -> dict[str, dict[str, Any]]:
     """relay/metrics.toml: each metric's attribute, kind, name, help, labels and the
-    README's words for it."""
+    docs' words for it."""
     text = (importlib.resources.files("relay") / "metrics.toml").read_text(encoding="utf-8")
     return tomllib.loads(text)
 

@@ -14,7 +14,7 @@ JetStream batch publish (ADR-50) instead of a publish and an ack per message:
 batches into a replicated stream: there nats-server 2.15.1 counts a message whose
 earlier publish is still being proposed (not yet stored, and lost if its leader
 goes) as a skipped duplicate and acks the batch, where a single publish gets error
-10158 and is tried again (README, *Publish modes*). Atomic batches
+10158 and is tried again (docs/publish-modes.md). Atomic batches
 drained no faster than per-message publishing (the server stages each batch before
 it commits it; docs/performance.md) and the relay needs no atomicity across rows,
 so they are used only when asked for.

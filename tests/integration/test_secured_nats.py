@@ -1,6 +1,6 @@
 """The relay against NATS servers that authenticate it: mutual TLS with a user and
 password, a token read from a mounted file, an NKey user, a credentials file of an
-operator-mode server; and a user with only the README's permissions. Each a
+operator-mode server; and a user with only the documented permissions. Each a
 throwaway nats-server on loopback; the relay publishes through it, and a wrong
 secret is refused without the secret reaching a log line."""
 
@@ -121,12 +121,12 @@ def test_an_nkey_user(db_url, start_relay, tmp_path):
         nats.destroy()
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SECURITY = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
 
 def readme_block(marker: str) -> str:
-    """The code block after ``<!-- marker -->`` in the README, comments dropped."""
-    text = README.read_text()
+    """The code block after ``<!-- marker -->`` on the security page, comments dropped."""
+    text = SECURITY.read_text()
     return re.sub(r"#.*", "", text[text.index(f"<!-- {marker} -->\n") :].split("```")[1])
 
 
@@ -137,7 +137,7 @@ def quoted(text: str) -> list[str]:
 def documented_permissions(
     subjects: list[str], *, audit: bool = False
 ) -> tuple[list[str], list[str]]:
-    """The README's permission block for the relay's NATS user, as (publish,
+    """The security page's permission block for the relay's NATS user, as (publish,
     subscribe) allow lists, with ``subjects`` in place of its example event types;
     with ``audit``, and the block the audit adds."""
     block = readme_block("nats-permissions")
@@ -156,7 +156,7 @@ def conf_list(items: list[str]) -> str:
 
 
 def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
-    """The README's block is all the relay needs: it publishes, checks the streams'
+    """The documented block is all the relay needs: it publishes, checks the streams'
     duplicate windows, and learns that no stream captures a subject. A subject the
     block does not allow is the broker's refusal: settled at once, never counted."""
     token = uuid.uuid4().hex[:10]
@@ -237,7 +237,7 @@ def test_a_user_with_only_the_documented_permissions(db_url, start_relay):
 def test_a_credentials_file_from_an_operator_mode_server(db_url, start_relay, tmp_path):
     """A user JWT and NKey seed in one file, as `nsc` or Synadia Cloud issue it, for a
     user of an account that the server trusts through its operator; the user holds
-    the README's permissions. A user of an account the server does not know is
+    the documented permissions. A user of an account the server does not know is
     refused."""
     trust = OperatorMode.new()
     token = uuid.uuid4().hex[:10]

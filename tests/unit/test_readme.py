@@ -1,4 +1,5 @@
-"""The README's configuration reference is the code's, word for word."""
+"""The configuration page's reference is the code's, word for word, and CI runs the
+README's test command."""
 
 from __future__ import annotations
 
@@ -6,23 +7,30 @@ import os
 import subprocess
 from pathlib import Path
 
-from relay.docs import metrics_table, options_table
+from relay.docs import metrics_table, options_table, with_tables
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def test_readme_configuration_table_matches_the_code():
-    text = README.read_text()
-    begin, end = "<!-- options:begin -->\n", "\n<!-- options:end -->"
-    table = text[text.index(begin) + len(begin) : text.index(end)]
-    assert table == options_table(), "regenerate with: python -m relay.docs"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 
 
-def test_readme_metrics_table_matches_the_code():
-    text = README.read_text()
-    begin, end = "<!-- metrics:begin -->\n", "\n<!-- metrics:end -->"
-    table = text[text.index(begin) + len(begin) : text.index(end)]
-    assert table == metrics_table(), "regenerate with: python -m relay.docs"
+def table(marker: str) -> str:
+    text = CONFIGURATION.read_text()
+    begin, end = f"<!-- {marker}:begin -->\n", f"\n<!-- {marker}:end -->"
+    return text[text.index(begin) + len(begin) : text.index(end)]
+
+
+def test_the_configuration_table_matches_the_code():
+    assert table("options") == options_table(), "regenerate with: python -m relay.docs"
+
+
+def test_the_metrics_table_matches_the_code():
+    assert table("metrics") == metrics_table(), "regenerate with: python -m relay.docs"
+
+
+def test_regenerating_the_tables_changes_nothing_else():
+    text = CONFIGURATION.read_text()
+    assert with_tables(text) == text
 
 
 def test_ci_runs_the_readme_test_command(tmp_path):
@@ -32,7 +40,7 @@ def test_ci_runs_the_readme_test_command(tmp_path):
     (tmp_path / "make").chmod(0o755)
     calls = tmp_path / "calls"
     result = subprocess.run(
-        ["bash", str(README.parent / ".ci" / "run")],
+        ["bash", str(ROOT / ".ci" / "run")],
         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "CALLS": str(calls)},
         capture_output=True,
         text=True,
@@ -46,5 +54,5 @@ def test_ci_runs_the_readme_test_command(tmp_path):
         for line in quick_start.splitlines()
         if "whole test suite" in line
     ]
-    assert calls.read_text().splitlines() == [" ".join(readme_command[1:])]
+    assert " ".join(readme_command[1:]) in calls.read_text().splitlines()
     assert readme_command[0] == "make"
