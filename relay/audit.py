@@ -43,6 +43,7 @@ from relay.config import Config, redact_nats_url
 from relay.database import connection_string
 from relay.envelope import MSG_ID_HEADER, Message, row_message
 from relay.errors import RelayError, first_line
+from relay.headers import trace_context
 from relay.metrics import Metrics
 from relay.model import OutboxRow
 from relay.ordering import SubjectQueues
@@ -405,9 +406,10 @@ def repair_message(row: OutboxRow, now: float, *, binary: bool = False) -> Messa
     """The row's message as it was first published (its trace context and headers
     too), under the repair's own message id. A row whose headers would now be
     refused was never published with them: it goes without."""
-    built = row_message(row, row.time or "", binary=binary)
+    trace = trace_context(row.traceparent, row.tracestate)
+    built = row_message(row, row.time or "", trace, binary=binary)
     if not isinstance(built, Message):
-        built = row_message(row._replace(headers=None), row.time or "", binary=binary)
+        built = row_message(row._replace(headers=None), row.time or "", trace, binary=binary)
     assert isinstance(built, Message)  # without the row's headers nothing can refuse it
     message = built
     return Message(

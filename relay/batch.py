@@ -344,10 +344,11 @@ class Batch:
         """The row's message, or the reason inside the row that it can never go."""
         if row.time is None:
             return UNWRITABLE_TIME
-        built = row_message(row, row.time, hop, binary=self._binary)
+        trace = None if row.traceparent is None else trace_context(row.traceparent, row.tracestate)
+        built = row_message(row, row.time, trace, hop, binary=self._binary)
         if not isinstance(built, Message):
             return built
-        if row.traceparent is not None and trace_context(row.traceparent, None) is None:
+        if row.traceparent is not None and trace is None:
             self._warnings.warn(
                 f"row {row.id}: traceparent {row.traceparent[:80]!r} is not W3C Trace "
                 "Context: published without it"

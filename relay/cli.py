@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import nats.errors
 import psycopg
@@ -225,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
         "p50/p99 per window before, during and after (about 8 minutes)",
     )
     bench.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="also write PNG charts of the figures into DIR (needs the bench extra)",
+    )
+    bench.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="with --plot: chart the figures a run wrote with --json, without running",
+    )
+    bench.add_argument(
         "--poolers",
         action="store_true",
         help="instead: the relay behind PgBouncer in transaction mode against direct, "
@@ -371,6 +384,8 @@ def _bench(args: argparse.Namespace) -> int:
     from relay_tools.localservers import MissingServerBinary  # noqa: PLC0415
 
     setup_logging("warning", "text")
+    if args.plot:
+        return _bench_and_plot(args)
     try:
         if args.soak:
             from relay_tools.bench import soak  # noqa: PLC0415
@@ -395,6 +410,33 @@ def _bench(args: argparse.Namespace) -> int:
     except MissingServerBinary as exc:
         print(f"outbox-relay bench: {exc}", file=sys.stderr)
         return 1
+
+
+def _bench_and_plot(args: argparse.Namespace) -> int:
+    """``bench --plot DIR``: the run (unless ``--from-json``), then its charts."""
+    from relay_tools.bench import plots  # noqa: PLC0415
+
+    source = args.from_json
+    code = 0
+    if source is None:
+        if args.poolers or args.features:
+            print("outbox-relay bench: --plot charts the bench and the soak", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory() as scratch:
+            source = args.json or str(Path(scratch) / "figures.json")
+            code = _bench(argparse.Namespace(**{**vars(args), "plot": None, "json": source}))
+            document = json.loads(Path(source).read_text())
+    else:
+        document = json.loads(Path(source).read_text())
+    directory = Path(args.plot)
+    written = (
+        plots.plot_soak(document, directory)
+        if "windows" in document
+        else plots.plot_bench(document, directory)
+    )
+    for path in written:
+        print(f"wrote {path}")
+    return code
 
 
 def _demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from json.encoder import encode_basestring
 from typing import NamedTuple
 
-from relay.headers import TraceContext, row_headers, trace_context
+from relay.headers import TraceContext, row_headers
 from relay.model import FailureReason, OutboxRow
 
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -89,16 +89,21 @@ def build_message(
 
 
 def row_message(
-    row: OutboxRow, time: str, hop: TraceContext | None = None, *, binary: bool = False
+    row: OutboxRow,
+    time: str,
+    trace: TraceContext | None,
+    hop: TraceContext | None = None,
+    *,
+    binary: bool = False,
 ) -> Message | tuple[FailureReason, str]:
     """The message for ``row`` with what the row adds to it (relay/headers.py), or,
-    when its headers cannot be sent, the failure that makes it dead. A trace context
-    that is not valid is left out (the message then has no ``traceparent``).
+    when its headers cannot be sent, the failure that makes it dead. ``trace`` is the
+    row's trace context as :func:`relay.headers.trace_context` read it (None when it
+    has none, or none that is valid: the message then goes without).
     ``binary``: the CloudEvents binary content mode (:func:`build_binary_message`)."""
     extra, problem = row_headers(row.headers)
     if problem is not None:
         return FailureReason.INVALID_HEADERS, problem
-    trace = trace_context(row.traceparent, row.tracestate)
     if binary:
         return build_binary_message(row, time, trace, extra, hop)
     return build_message(row, time, trace, extra, hop)

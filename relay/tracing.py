@@ -127,10 +127,11 @@ class _OtelTracing:
 
         from relay import __version__  # noqa: PLC0415
 
-        # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over these defaults.
-        resource = Resource.create({"service.version": __version__}).merge(
-            Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or "outbox-relay"})
-        )
+        # OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES name the service; else the SDK
+        # would say "unknown_service:python".
+        resource = Resource.create({"service.version": __version__})
+        if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({"service.name": "outbox-relay"}))
         self._provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER applies
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         self._tracer = trace.get_tracer("outbox-relay", __version__, self._provider)

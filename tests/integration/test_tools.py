@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -45,12 +46,15 @@ FIGURES = {
 def test_bench_quick_mode_runs_every_measurement(tmp_path):
     """The figures are printed, not asserted: CI machines are too noisy for that."""
     out = tmp_path / "bench.json"
+    charts = tmp_path / "charts"
     result = subprocess.run(
-        [sys.executable, "-m", "relay", "bench", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "relay", "bench", "--quick", "--json", str(out),
+         "--plot", str(charts)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     print(result.stdout)
+    assert_charts(charts, "drain.png", "latency.png")
     document = json.loads(out.read_text())
     # No server address, so no password or token, in what a user may paste anywhere.
     assert "://" not in out.read_text()
@@ -152,6 +156,14 @@ def test_the_soak_quick_mode_prints_every_window_and_the_targets(tmp_path):
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     print(result.stdout)
+    # The chart of a saved run, without running again.
+    charts = tmp_path / "charts"
+    plotted = subprocess.run(
+        [sys.executable, "-m", "relay", "bench", "--plot", str(charts), "--from-json", str(out)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert plotted.returncode == 0, plotted.stdout + plotted.stderr
+    assert_charts(charts, "soak.png")
     assert "targets:" in result.stdout, result.stdout + result.stderr
     document = json.loads(out.read_text())
     assert "://" not in out.read_text()
@@ -196,3 +208,12 @@ def test_the_features_quick_mode_drains_each_arrangement(tmp_path):
         assert len(document[key]) == 1, key
     assert set(document["ratios"]) == {"with_schemas", "traced", "tracing_on"}
     assert "[MET]" in result.stdout or "[NOT MET]" in result.stdout
+
+
+def assert_charts(directory: Path, *names: str) -> None:
+    """Each chart is there, a PNG with something drawn in it."""
+    assert sorted(p.name for p in directory.iterdir()) == sorted(names)
+    for name in names:
+        data = (directory / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
+        assert len(data) > 10_000, name  # axes, bars and labels, not an empty canvas

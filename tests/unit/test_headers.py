@@ -16,9 +16,16 @@ from relay.envelope import (
     row_message,
 )
 from relay.headers import TRACESTATE_LIMIT, TraceContext, header_problem, row_headers, trace_context
+from relay.headers import trace_context as read_trace
 from relay.model import FailureReason, OutboxRow
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def message_of(source: OutboxRow, *, binary: bool = False) -> Message | tuple[FailureReason, str]:
+    """The row's message as the batch builds it: its trace context read first."""
+    trace = read_trace(source.traceparent, source.tracestate)
+    return row_message(source, "2026-12-05T00:00:00Z", trace, binary=binary)
 
 
 def row(**optional: str | None) -> OutboxRow:
@@ -78,7 +85,7 @@ def test_the_trace_context_goes_in_the_headers_and_the_cloudevents_extension():
 
 
 def test_a_row_without_the_optional_columns_builds_the_message_it_always_did():
-    plain = row_message(row(), "2026-12-05T00:00:00Z")
+    plain = message_of(row())
     assert isinstance(plain, Message)
     assert plain.headers == {MSG_ID_HEADER: "0b1d3c9e-8a56-4e0e-9c51-6d0b2a7f3a11"}
     assert b"traceparent" not in plain.body
@@ -86,9 +93,8 @@ def test_a_row_without_the_optional_columns_builds_the_message_it_always_did():
 
 
 def test_a_rows_headers_go_on_its_message_and_count_in_its_size():
-    built = row_message(
-        row(headers='{"x-tenant": "acme", "x-priority": "high"}', traceparent=TRACEPARENT),
-        "2026-12-05T00:00:00Z",
+    built = message_of(
+        row(headers='{"x-tenant": "acme", "x-priority": "high"}', traceparent=TRACEPARENT)
     )
     assert isinstance(built, Message)
     assert built.headers["x-tenant"] == "acme"
@@ -118,7 +124,7 @@ def test_a_rows_headers_go_on_its_message_and_count_in_its_size():
     ],
 )
 def test_a_reserved_or_uncarriable_header_makes_the_row_dead(headers, reason):
-    built = row_message(row(headers=headers), "2026-12-05T00:00:00Z")
+    built = message_of(row(headers=headers))
     assert isinstance(built, tuple)
     failure, text = built
     assert failure is FailureReason.INVALID_HEADERS
@@ -136,7 +142,7 @@ def test_headers_null_or_empty_add_nothing():
 
 def test_binary_mode_puts_the_data_in_the_body_and_each_attribute_in_a_ce_header():
     source = row(traceparent=TRACEPARENT, tracestate="v=1", headers='{"x-tenant": "acme"}')
-    built = row_message(source._replace(source="shop/eu west"), "2026-12-05T00:00:00Z", binary=True)
+    built = message_of(source._replace(source="shop/eu west"), binary=True)
     assert isinstance(built, Message)
     assert built.body == b'{"amount": 5}'
     assert built.headers == {

@@ -1,0 +1,119 @@
+"""`outbox-relay bench --plot DIR`: PNG charts of a bench run's figures (the JSON that
+`--json` writes), for the docs' performance page. matplotlib comes with the `bench`
+extra (`pip install 'outbox-relay[bench]'`).
+
+- `drain.png`: drain rate by backlog shape and by publish mode (median, min-max);
+- `latency.png`: commit-to-consumer p50 and p99 by load;
+- `soak.png` (from `--soak`): p50 and p99 per window, the hold shaded, and the
+  table's dead tuples.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+DRAIN_SHAPES = (
+    ("drain_rate", "a transaction each"),
+    ("drain_bulk_rate", "one transaction"),
+    ("drain_dead_ahead_rate", "behind dead rows"),
+    ("drain_replicas_rate", "several relays"),
+    ("drain_mode_message_rate", "--publish-mode message"),
+    ("drain_mode_batch_rate", "--publish-mode batch"),
+    ("drain_mode_atomic_rate", "--publish-mode atomic"),
+)
+_LATENCY = re.compile(r"relay_latency_([0-9.]+)_(p50|p99)$")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib  # noqa: PLC0415 - optional: the bench extra
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as exc:
+        raise SystemExit(
+            "outbox-relay bench --plot needs matplotlib: pip install 'outbox-relay[bench]'"
+        ) from exc
+    return plt
+
+
+def plot_bench(document: dict[str, Any], directory: Path) -> list[Path]:
+    """The charts of a bench run (`outbox-relay bench --json`)."""
+    plt = _pyplot()
+    directory.mkdir(parents=True, exist_ok=True)
+    figures = document["figures"]
+    written = []
+    shapes = [(key, label) for key, label in DRAIN_SHAPES if key in figures]
+    if shapes:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        medians = [figures[key]["median"] for key, _ in shapes]
+        errors = [
+            [m - figures[key]["min"] for (key, _), m in zip(shapes, medians, strict=True)],
+            [figures[key]["max"] - m for (key, _), m in zip(shapes, medians, strict=True)],
+        ]
+        ax.barh([label for _, label in shapes], medians, xerr=errors, color="#3b7dd8")
+        ax.invert_yaxis()
+        ax.set_xlabel("rows/s (median; min-max)")
+        ax.set_title("Drain of a committed backlog")
+        fig.tight_layout()
+        written.append(_save(fig, directory / "drain.png", plt))
+    latency: dict[float, dict[str, float]] = {}
+    for key, figure in figures.items():
+        found = _LATENCY.match(key)
+        if found:
+            latency.setdefault(float(found.group(1)), {})[found.group(2)] = figure["median"]
+    if latency:
+        rates = sorted(latency)
+        fig, ax = plt.subplots(figsize=(8, 4))
+        positions = range(len(rates))
+        for offset, (percentile, color) in enumerate((("p50", "#3b7dd8"), ("p99", "#d8843b"))):
+            ax.bar(
+                [p + (offset - 0.5) * 0.4 for p in positions],
+                [latency[rate].get(percentile, 0.0) for rate in rates],
+                width=0.4,
+                label=percentile,
+                color=color,
+            )
+        ax.set_xticks(list(positions), [f"{rate:g}/s" for rate in rates])
+        ax.set_ylabel("ms, commit to consumer")
+        ax.set_title("Latency by load")
+        ax.legend()
+        fig.tight_layout()
+        written.append(_save(fig, directory / "latency.png", plt))
+    return written
+
+
+def plot_soak(document: dict[str, Any], directory: Path) -> list[Path]:
+    """The chart of a soak (`outbox-relay bench --soak --json`)."""
+    plt = _pyplot()
+    directory.mkdir(parents=True, exist_ok=True)
+    windows = document["windows"]
+    minutes = [w["start"] / 60 for w in windows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = (minutes[1] - minutes[0]) if len(minutes) > 1 else 1.0
+    for window, start in zip(windows, minutes, strict=True):
+        if window["held"]:
+            ax.axvspan(start, start + width, color="#eeeeee")
+    ax.plot(minutes, [w["p50_ms"] for w in windows], marker="o", label="p50", color="#3b7dd8")
+    ax.plot(minutes, [w["p99_ms"] for w in windows], marker="o", label="p99", color="#d8843b")
+    ax.set_xlabel("minutes (grey: the vacuum horizon held)")
+    ax.set_ylabel("ms, commit to consumer")
+    tuples = ax.twinx()
+    tuples.plot(
+        minutes, [w["dead_tuples"] for w in windows], linestyle="--", color="#777777",
+        label="dead tuples",
+    )  # fmt: skip
+    tuples.set_ylabel("dead tuples")
+    lines = ax.get_lines() + tuples.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="upper left")
+    ax.set_title("Latency while something holds the vacuum horizon")
+    fig.tight_layout()
+    return [_save(fig, directory / "soak.png", plt)]
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
