@@ -502,16 +502,20 @@ async def _audit_with(
     nc: Client | None,
 ) -> AuditReport:
     names = Names.for_config(config)
-    if nc is not None:
+
+    async def audit_on(client: Client) -> AuditReport:
         return await audit(
             conn,
-            nc,
+            client,
             names,
             since,
             repair=repair,
             publish_timeout=config.publish_timeout,
             binary=config.envelope == "binary",
         )
+
+    if nc is not None:
+        return await audit_on(nc)
 
     async def quiet(exc: Exception) -> None:  # nats-py logs a traceback per try without it
         log.debug("NATS: %s", exc)
@@ -530,15 +534,7 @@ async def _audit_with(
         servers = ", ".join(redact_nats_url(u) for u in config.nats_urls)
         raise AuditError(f"cannot connect to NATS at {servers}: {exc}") from exc
     try:
-        return await audit(
-            conn,
-            own,
-            names,
-            since,
-            repair=repair,
-            publish_timeout=config.publish_timeout,
-            binary=config.envelope == "binary",
-        )
+        return await audit_on(own)
     finally:
         await own.close()
 
