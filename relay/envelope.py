@@ -54,18 +54,10 @@ def build_message(
     go in headers."""
     row_id = row.id
     extension = ""
-    headers = {MSG_ID_HEADER: row_id}
-    if extra_headers:
-        headers.update(extra_headers)
     if trace is not None:
         extension = ',"traceparent":"' + trace.traceparent + '"'
         if trace.tracestate:
             extension += ',"tracestate":' + _quote(trace.tracestate)
-    carried = hop or trace
-    if carried is not None:
-        headers["traceparent"] = carried.traceparent
-        if carried.tracestate:
-            headers["tracestate"] = carried.tracestate
     # ``data`` arrives as jsonb's own text rendering, which is valid JSON: splice it in
     # rather than parse and re-serialise every payload.
     body = (
@@ -85,7 +77,22 @@ def build_message(
         + row.data
         + "}"
     )
-    return Message(row.event_type, body.encode(), headers)
+    return Message(row.event_type, body.encode(), _headers(row_id, extra_headers, hop or trace))
+
+
+def _headers(
+    row_id: str, extra_headers: Mapping[str, str] | None, carried: TraceContext | None
+) -> dict[str, str]:
+    """The headers both content modes send: the dedupe key, the row's own, and the
+    trace context this hop carries."""
+    headers = {MSG_ID_HEADER: row_id}
+    if extra_headers:
+        headers.update(extra_headers)
+    if carried is not None:
+        headers["traceparent"] = carried.traceparent
+        if carried.tracestate:
+            headers["tracestate"] = carried.tracestate
+    return headers
 
 
 def row_message(
@@ -133,9 +140,7 @@ def build_binary_message(
     data's. The producer's trace context is the ``ce-traceparent`` and
     ``ce-tracestate`` extension attributes; the ``traceparent`` header is this hop's,
     as in :func:`build_message`."""
-    headers = {MSG_ID_HEADER: row.id}
-    if extra_headers:
-        headers.update(extra_headers)
+    headers = _headers(row.id, extra_headers, hop or trace)
     headers.update(
         {
             "ce-specversion": "1.0",
@@ -151,9 +156,4 @@ def build_binary_message(
         headers["ce-traceparent"] = trace.traceparent
         if trace.tracestate:
             headers["ce-tracestate"] = percent_encode(trace.tracestate)
-    carried = hop or trace
-    if carried is not None:
-        headers["traceparent"] = carried.traceparent
-        if carried.tracestate:
-            headers["tracestate"] = carried.tracestate
     return Message(row.event_type, row.data.encode(), headers)
