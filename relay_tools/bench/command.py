@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relay_tools.bench import measure
-from relay_tools.bench.harness import RelayProcess, Target, dumps, wait_until_ready
+from relay_tools.bench.harness import RelayProcess, Target, bench_target, dumps, wait_until_ready
 from relay_tools.bench.stats import Figure, percentile
-from relay_tools.localservers import throwaway_nats, throwaway_postgres
 
 
 @dataclass(frozen=True)
@@ -634,18 +633,8 @@ def render(report: Report, plan: Plan) -> str:
 
 
 async def bench(database_url: str | None, nats_url: str | None, plan: Plan) -> Report:
-    with contextlib.ExitStack() as servers:
-        if database_url is None:
-            pg = servers.enter_context(throwaway_postgres(durable=True))
-            database_url = pg.url
-        if nats_url is None:
-            nats_url = servers.enter_context(throwaway_nats()).url
-        target = Target(database_url, nats_url)
-        await target.create()
-        try:
-            return await run_all(target, plan)
-        finally:
-            await target.drop()
+    async with bench_target(database_url, nats_url) as target:
+        return await run_all(target, plan)
 
 
 def main(database_url: str | None, nats_url: str | None, quick: bool, json_path: str | None) -> int:

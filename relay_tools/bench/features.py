@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from relay_tools.bench import measure
-from relay_tools.bench.harness import Target, bench_servers, dumps
+from relay_tools.bench.harness import Target, bench_target, dumps
 from relay_tools.otlpsink import OtlpSink
 
 # Each row's data, from the series number g: about 400 bytes of JSON (SQL sent with
@@ -171,13 +171,8 @@ def render(report: FeaturesReport, plan: FeaturesPlan) -> str:
 async def _main(
     database_url: str | None, nats_url: str | None, plan: FeaturesPlan
 ) -> FeaturesReport:
-    with bench_servers(database_url, nats_url) as (pg, nats_url_):
-        target = Target(pg, nats_url_)
-        await target.create()
-        try:
-            return await measure_features(target, plan)
-        finally:
-            await target.drop()
+    async with bench_target(database_url, nats_url) as target:
+        return await measure_features(target, plan)
 
 
 def main(

@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,12 +368,18 @@ def dumps(value: object) -> str:
     return json.dumps(value, indent=2, sort_keys=True)
 
 
-@contextlib.contextmanager
-def bench_servers(database_url: str | None, nats_url: str | None) -> Iterator[tuple[str, str]]:
-    """The servers a bench runs against: those named, else throwaway ones on loopback."""
+@contextlib.asynccontextmanager
+async def bench_target(database_url: str | None, nats_url: str | None) -> AsyncIterator[Target]:
+    """A database and a stream of the bench's own, on the servers named, else on
+    throwaway ones on loopback; dropped (and the servers stopped) afterwards."""
     with contextlib.ExitStack() as servers:
         if database_url is None:
             database_url = servers.enter_context(throwaway_postgres(durable=True)).url
         if nats_url is None:
             nats_url = servers.enter_context(throwaway_nats()).url
-        yield database_url, nats_url
+        target = Target(database_url, nats_url)
+        await target.create()
+        try:
+            yield target
+        finally:
+            await target.drop()

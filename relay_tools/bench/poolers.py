@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
 from relay_tools.bench import measure
-from relay_tools.bench.harness import Target, bench_servers, dumps
+from relay_tools.bench.harness import Target, bench_target, dumps
 from relay_tools.bench.stats import percentile
 from relay_tools.localservers import throwaway_pgbouncer
 
@@ -94,15 +94,10 @@ def render(results: list[Arrangement], plan: PoolerPlan) -> str:
 async def _main(
     database_url: str | None, nats_url: str | None, plan: PoolerPlan
 ) -> list[Arrangement]:
-    with bench_servers(database_url, nats_url) as (pg, nats_url_):
-        port = urlsplit(pg).port or 5432
+    async with bench_target(database_url, nats_url) as target:
+        port = urlsplit(target.server_url).port or 5432
         with throwaway_pgbouncer(port, pool_size=plan.pool_size) as bouncer:
-            target = Target(pg, nats_url_)
-            await target.create()
-            try:
-                return await measure_arrangements(target, bouncer.url(target.database), plan)
-            finally:
-                await target.drop()
+            return await measure_arrangements(target, bouncer.url(target.database), plan)
 
 
 def main(

@@ -30,7 +30,7 @@ from relay.sqlfiles import Names, query
 from relay_tools.bench.harness import (
     RelayProcess,
     Target,
-    bench_servers,
+    bench_target,
     dumps,
     wait_until_ready,
 )
@@ -304,13 +304,8 @@ def _clock(seconds: float) -> str:
 
 
 async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) -> SoakReport:
-    with bench_servers(database_url, nats_url) as (pg, nats_url_):
-        target = Target(pg, nats_url_)
-        await target.create()
-        try:
-            return await soak(target, plan)
-        finally:
-            await target.drop()
+    async with bench_target(database_url, nats_url) as target:
+        return await soak(target, plan)
 
 
 def main(
