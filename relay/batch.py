@@ -282,25 +282,31 @@ class Batch:
         """asyncio side: publish ``rows`` in per-subject order until ``deadline`` (loop
         time). Rows without a result were not sent and stay exactly as they were.
         With tracing on, inside a span of its own (relay/tracing.py)."""
+        # Each row's trace context, read once for its message and the span's links.
+        traces = {
+            row.id: trace_context(row.traceparent, row.tracestate)
+            for row in rows
+            if row.traceparent is not None
+        }
         if not self._tracing.enabled:
-            return await self._publish_rows(rows, deadline, None)
+            return await self._publish_rows(rows, deadline, traces, None)
         span = self._tracing.publish_span(
             [row.event_type for row in rows],
-            [
-                context
-                for row in rows
-                if (context := trace_context(row.traceparent, row.tracestate)) is not None
-            ],
+            [context for context in traces.values() if context is not None],
         )
         results: dict[RowId, PublishResult] = {}
         try:
-            results = await self._publish_rows(rows, deadline, span.context)
+            results = await self._publish_rows(rows, deadline, traces, span.context)
         finally:
             span.end(Counter(r.reason.value for r in results.values() if isinstance(r, Failed)))
         return results
 
     async def _publish_rows(
-        self, rows: list[OutboxRow], deadline: float, hop: TraceContext | None
+        self,
+        rows: list[OutboxRow],
+        deadline: float,
+        traces: Mapping[RowId, TraceContext | None],
+        hop: TraceContext | None,
     ) -> dict[RowId, PublishResult]:
         results: dict[RowId, PublishResult] = {}
         messages: dict[RowId, Message] = {}
@@ -310,7 +316,7 @@ class Batch:
         for row in sorted(rows, key=lambda r: r.order_key):
             if row.subject in stopped:
                 continue  # behind a row rejected here: unsent, left as it is
-            built = self._message(row, max_payload, hop)
+            built = self._message(row, max_payload, traces.get(row.id), hop)
             if isinstance(built, Message):
                 messages[row.id] = built
                 sendable.append(row)
@@ -339,12 +345,16 @@ class Batch:
         return results
 
     def _message(
-        self, row: OutboxRow, max_payload: int, hop: TraceContext | None
+        self,
+        row: OutboxRow,
+        max_payload: int,
+        trace: TraceContext | None,
+        hop: TraceContext | None,
     ) -> Message | tuple[FailureReason, str]:
-        """The row's message, or the reason inside the row that it can never go."""
+        """The row's message, or the reason inside the row that it can never go
+        (``trace``: its trace context as read, None if it has none valid)."""
         if row.time is None:
             return UNWRITABLE_TIME
-        trace = None if row.traceparent is None else trace_context(row.traceparent, row.tracestate)
         built = row_message(row, row.time, trace, hop, binary=self._binary)
         if not isinstance(built, Message):
             return built

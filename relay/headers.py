@@ -18,15 +18,14 @@ from typing import NamedTuple
 
 import orjson
 
-# version "00": exactly this; a later version may append fields (W3C Trace Context
-# section 3.2.4), which this reader ignores after the first four.
-_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
-_ZERO_TRACE = "0" * 32
-_ZERO_PARENT = "0" * 16
+# version "00": exactly this; a later version (not "ff") may append fields (W3C
+# Trace Context section 3.2.4), which this reader ignores after the first four.
+# Neither id may be all zeros. One expression: this runs once per traced row.
+_IDS_AND_FLAGS = r"-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}"
+_TRACEPARENT = re.compile(rf"00{_IDS_AND_FLAGS}|(?!00|ff)[0-9a-f]{{2}}{_IDS_AND_FLAGS}(-.*)?")
 # tracestate: at most 32 list members; this is its longest sane size (W3C: 512
 # characters is what a vendor may rely on).
 TRACESTATE_LIMIT = 512
-_TRACESTATE = re.compile(r"[\x20-\x7e]*")
 
 # RFC 9110 token characters: what a header name may be made of.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -50,16 +49,11 @@ def trace_context(traceparent: str | None, tracestate: str | None) -> TraceConte
     if traceparent is None:
         return None
     value = traceparent.strip()
-    match = _TRACEPARENT.fullmatch(value)
-    if match is None:
-        return None
-    version, trace_id, parent_id, _flags, rest = match.groups()
-    if version == "ff" or (version == "00" and rest is not None):
-        return None
-    if trace_id == _ZERO_TRACE or parent_id == _ZERO_PARENT:
+    if _TRACEPARENT.fullmatch(value) is None:
         return None
     state = tracestate.strip() if tracestate else None
-    if state and (len(state) > TRACESTATE_LIMIT or not _TRACESTATE.fullmatch(state)):
+    # Printable ASCII only (0x20-0x7e): what the header's list members are made of.
+    if state and (len(state) > TRACESTATE_LIMIT or not (state.isascii() and state.isprintable())):
         state = None
     return TraceContext(value, state or None)
 

@@ -1,52 +1,18 @@
 """What the broker's answer to one publish means: a PubAck, a JetStream API error,
-"no responders", a permission refusal, or an exception nats-py raised. Each becomes
-a :class:`~relay.model.Failed` that says whose fault it is (relay/model.py), or
+"no responders", or a permission refusal. Each becomes a
+:class:`~relay.model.Failed` that says whose fault it is (relay/model.py), or
 :class:`~relay.model.Acked`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import re
 
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 
 from relay.batchreplies import NO_RESPONDERS, error_failure
 from relay.model import Acked, Failed, FailureReason, PublishResult
-
-log = logging.getLogger(__name__)
-
-_DISCONNECTED_ERRORS = (
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.ConnectionDrainingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.StaleConnectionError,
-)
-
-
-def classify(exc: BaseException) -> Failed:  # noqa: PLR0911 - a lookup table, one return a row
-    """The failure a publish exception stands for."""
-    if isinstance(exc, nats.js.errors.NoStreamResponseError):
-        return NO_RESPONDERS
-    if isinstance(exc, nats.errors.MaxPayloadError):
-        return Failed(FailureReason.TOO_LARGE, "message exceeds the server's max_payload")
-    if isinstance(exc, nats.errors.BadSubjectError):
-        return Failed(FailureReason.INVALID_SUBJECT, "the client rejected the subject")
-    if isinstance(exc, _DISCONNECTED_ERRORS):
-        return Failed(FailureReason.DISCONNECTED, f"not connected to NATS ({exc})")
-    if isinstance(exc, asyncio.TimeoutError | nats.errors.TimeoutError):
-        return Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
-    if isinstance(exc, nats.js.errors.APIError):
-        return api_error(exc.code, exc.err_code, exc.description or str(exc))
-    # Not the row's: a bug of the relay's or of nats-py's. Its traceback is the lead.
-    log.error("unexpected error publishing a message", exc_info=exc)
-    return Failed(FailureReason.RELAY_ERROR, f"{exc.__class__.__name__}: {exc}")
-
 
 NO_STREAM = Failed(FailureReason.NO_STREAM, "no stream captures the subject")
 PERMISSION_DENIED = Failed(

@@ -9,6 +9,12 @@ batch's size, and a link to each row's producer context. Each message's
 `traceparent` header then names this span; the producer's context stays in the
 CloudEvents extension (relay/envelope.py). A batch with failed rows records them on
 the span.
+
+Links cost the relay about 10 us each (the SDK's objects, then its encoder), about
+as much as the rest of a row's work: so a span links only producer contexts that
+were sampled (an unsampled one names a trace nobody recorded), at most the SDK's
+link limit (`OTEL_SPAN_LINK_COUNT_LIMIT`, 128 by default), and none when the span
+itself is not sampled (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ class Tracing(Protocol):
     enabled: bool
 
     def publish_span(
-        self, subjects: Sequence[str], links: Sequence[TraceContext]
-    ) -> PublishSpan: ...
+        self, subjects: Sequence[str], producers: Sequence[TraceContext]
+    ) -> PublishSpan:
+        """The span of publishing messages to ``subjects`` (one a message), linked
+        to the ``producers``' contexts (the rows' that have one)."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -59,7 +68,9 @@ class _NoSpan:
 class NoTracing:
     enabled = False
 
-    def publish_span(self, subjects: Sequence[str], links: Sequence[TraceContext]) -> PublishSpan:
+    def publish_span(
+        self, subjects: Sequence[str], producers: Sequence[TraceContext]
+    ) -> PublishSpan:
         return _NoSpan()
 
     def shutdown(self) -> None:
@@ -73,6 +84,23 @@ def tracing_requested(environ: Mapping[str, str]) -> bool:
     if environ.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
         return False
     return any(environ.get(name) for name in _ENDPOINTS)
+
+
+def sampled(context: TraceContext) -> bool:
+    """Whether the producer sampled its trace: the trace-flags' lowest bit, which
+    every version of traceparent keeps at characters 53-54."""
+    return context.traceparent[54] in "13579bdf"
+
+
+def links_to_make(
+    producers: Sequence[TraceContext], limit: int | None
+) -> tuple[list[TraceContext], int]:
+    """The producer contexts a span links to, in row order: the sampled ones, at
+    most ``limit`` of them (None: no limit); and how many sampled ones that left out."""
+    wanted = [context for context in producers if sampled(context)]
+    if limit is None or len(wanted) <= limit:
+        return wanted, 0
+    return wanted[:limit], len(wanted) - limit
 
 
 def start_tracing(environ: Mapping[str, str] | None = None) -> Tracing:
@@ -120,9 +148,9 @@ class _OtelTracing:
             OTLPSpanExporter,
         )
         from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
-        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider  # noqa: PLC0415
         from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-        from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags  # noqa: PLC0415
+        from opentelemetry.trace import SpanContext, SpanKind, TraceFlags  # noqa: PLC0415
         from opentelemetry.trace.status import StatusCode  # noqa: PLC0415
 
         from relay import __version__  # noqa: PLC0415
@@ -135,14 +163,17 @@ class _OtelTracing:
         self._provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER applies
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         self._tracer = trace.get_tracer("outbox-relay", __version__, self._provider)
-        self._link = Link
+        # The provider's own limit (OTEL_SPAN_LINK_COUNT_LIMIT; None: "unset", none).
+        self._link_limit = SpanLimits().max_links
         self._span_context = SpanContext
-        self._flags = TraceFlags
+        self._sampled = TraceFlags(TraceFlags.SAMPLED)
         self._kind = SpanKind.PRODUCER
         self._error = StatusCode.ERROR
         log.info("OpenTelemetry tracing on: a span per batch publish")
 
-    def publish_span(self, subjects: Sequence[str], links: Sequence[TraceContext]) -> PublishSpan:
+    def publish_span(
+        self, subjects: Sequence[str], producers: Sequence[TraceContext]
+    ) -> PublishSpan:
         distinct = set(subjects)
         destination = next(iter(distinct)) if len(distinct) == 1 else None
         attributes: dict[str, Any] = {
@@ -153,22 +184,24 @@ class _OtelTracing:
         }
         if destination is not None:
             attributes["messaging.destination.name"] = destination
+        # Links are added after the start: a span the sampler drops makes none.
         span = self._tracer.start_span(
             f"send {destination}" if destination else "send",
             kind=self._kind,
             attributes=attributes,
-            links=[self._link(self._producer_context(link)) for link in links],
         )
+        if span.is_recording():
+            links, left_out = links_to_make(producers, self._link_limit)
+            for context in links:
+                span.add_link(self._producer_context(context))
+            if left_out:
+                span.set_attribute("outbox_relay.unlinked_producers", left_out)
         return _OtelSpan(span, self._error)
 
     def _producer_context(self, context: TraceContext) -> Any:
-        _, trace_id, span_id, flags = context.traceparent.split("-")[:4]
-        return self._span_context(
-            int(trace_id, 16),
-            int(span_id, 16),
-            is_remote=True,
-            trace_flags=self._flags(int(flags, 16)),
-        )
+        # A checked traceparent (relay/headers.py): ids at fixed places, sampled.
+        value = context.traceparent
+        return self._span_context(int(value[3:35], 16), int(value[36:52], 16), True, self._sampled)
 
     def shutdown(self) -> None:
         self._provider.shutdown()  # exports what is left

@@ -1,6 +1,8 @@
 """A small OTLP/HTTP trace receiver on a free loopback port, for the tracing tests
-and `bench --tracing`: it decodes what the SDK's exporter sends (protobuf, as
-opentelemetry-proto defines it) and keeps the spans."""
+and `bench --features`: it decodes what the SDK's exporter sends (protobuf, as
+opentelemetry-proto defines it) and keeps the spans, or (``keep_spans=False``, for
+the bench, whose receiver shares the machine with the relay) only counts them and
+their links."""
 
 from __future__ import annotations
 
@@ -29,11 +31,14 @@ def _value(any_value: Any) -> Any:
 
 
 class OtlpSink:
-    def __init__(self) -> None:
+    def __init__(self, *, keep_spans: bool = True) -> None:
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: PLC0415
 
         self.spans: list[ReceivedSpan] = []
+        self.keep_spans = keep_spans
         self.requests = 0
+        self.span_count = 0
+        self.link_count = 0
         self._lock = threading.Lock()
         sink = self
 
@@ -64,6 +69,13 @@ class OtlpSink:
         return f"http://127.0.0.1:{self.port}"
 
     def add(self, request: Any) -> None:
+        spans = [
+            span
+            for resource_spans in request.resource_spans
+            for scope_spans in resource_spans.scope_spans
+            for span in scope_spans.spans
+        ]
+        links = sum(len(span.links) for span in spans)
         found = [
             ReceivedSpan(
                 name=span.name,
@@ -75,12 +87,12 @@ class OtlpSink:
                 status_code=span.status.code,
                 status_message=span.status.message,
             )
-            for resource_spans in request.resource_spans
-            for scope_spans in resource_spans.scope_spans
-            for span in scope_spans.spans
+            for span in (spans if self.keep_spans else [])
         ]
         with self._lock:
             self.requests += 1
+            self.span_count += len(spans)
+            self.link_count += links
             self.spans.extend(found)
 
     def __enter__(self) -> OtlpSink:

@@ -1,12 +1,15 @@
 """`outbox-relay bench --features`: what the optional features cost the drain, on an
-order-like payload (nested objects, an array, formats, enums), each against the
-plain drain of the same rows:
+order-like payload (nested objects, an array, formats, enums):
 
-- `--schemas`, with a schema that checks all of the payload;
-- rows that carry a trace context and two headers of their own, tracing off;
-- the same rows with tracing on, exporting to an OTLP receiver on loopback.
+- `--schemas`, with a schema that checks all of the payload, against the plain drain;
+- rows that carry a trace context and two headers of their own, tracing off,
+  against plain rows padded to the same message size (what is left is the relay's
+  handling of them, not the bytes);
+- the same traced rows with tracing on, exporting to an OTLP receiver on loopback,
+  against tracing off: every producer sampled (a link a row), and one in ten.
 
-The arrangements alternate within every repetition."""
+Each drain gives its rate and the relay's CPU microseconds per row (all its threads:
+the exporter's too). The arrangements alternate within every repetition."""
 
 from __future__ import annotations
 
@@ -75,6 +78,70 @@ ORDER_SCHEMA = {
 }
 
 
+# What a traced producer adds to each row (relay/headers.py): its trace context,
+# unique per row as a real one is, and two headers of its own; every trace sampled.
+TRACED_COLUMNS = {
+    "traceparent": "'00-' || md5(g::text) || '-' || left(md5((g + 1)::text), 16) || '-01'",
+    "tracestate": "'shop=a' || g",
+    "headers": """'{"x-tenant": "acme", "x-priority": "high"}'::jsonb""",
+}
+# The same with one producer trace in ten sampled (head sampling at 10%).
+TENTH_SAMPLED_COLUMNS = {
+    **TRACED_COLUMNS,
+    "traceparent": "'00-' || md5(g::text) || '-' || left(md5((g + 1)::text), 16) || '-'"
+    " || case when g %% 10 = 0 then '01' else '00' end",
+}
+# Plain rows whose message is as long as a traced row's: the envelope's extension
+# attributes and the four headers come to about 230 bytes.
+PADDED_DATA = ORDER_DATA[:-1] + ", 'pad', repeat('x', 220))"
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    key: str
+    name: str
+    schemas: bool = False  # --schemas with ORDER_SCHEMA
+    columns: dict[str, str] | None = None
+    data: str = ORDER_DATA
+    tracing: dict[str, str] | None = None  # the SDK's variables beside the endpoint
+
+
+ARRANGEMENTS = (
+    Arrangement("without", "plain"),
+    Arrangement("with_schemas", "with --schemas", schemas=True),
+    Arrangement("padded", "plain rows padded to a traced row's message size", data=PADDED_DATA),
+    Arrangement(
+        "traced", "rows with trace context and two headers, tracing off", columns=TRACED_COLUMNS
+    ),
+    Arrangement(
+        "tracing_on",
+        "the same rows, tracing on, every producer sampled",
+        columns=TRACED_COLUMNS,
+        tracing={},
+    ),
+    Arrangement(
+        "tracing_on_32_links",
+        "the same, OTEL_SPAN_LINK_COUNT_LIMIT=32",
+        columns=TRACED_COLUMNS,
+        tracing={"OTEL_SPAN_LINK_COUNT_LIMIT": "32"},
+    ),
+    Arrangement(
+        "tracing_on_tenth",
+        "the same rows, tracing on, one producer in ten sampled",
+        columns=TENTH_SAMPLED_COLUMNS,
+        tracing={},
+    ),
+)
+# What each arrangement is measured against, and the least ratio it targets.
+TARGETS = (
+    ("with_schemas", "without", 0.9),
+    ("traced", "padded", 0.95),
+    ("tracing_on", "traced", 0.95),
+    ("tracing_on_32_links", "traced", 0.95),
+    ("tracing_on_tenth", "traced", 0.95),
+)
+
+
 @dataclass(frozen=True)
 class FeaturesPlan:
     repetitions: int = 5
@@ -85,85 +152,80 @@ class FeaturesPlan:
         return cls(repetitions=1, drain_rows=2_000)
 
 
-# What a traced producer adds to each row (relay/headers.py): its trace context,
-# unique per row as a real one is, and two headers of its own.
-TRACED_COLUMNS = {
-    "traceparent": "'00-' || md5(g::text) || '-' || left(md5((g + 1)::text), 16) || '-01'",
-    "tracestate": "'shop=a' || g",
-    "headers": """'{"x-tenant": "acme", "x-priority": "high"}'::jsonb""",
-}
-
-
 @dataclass
 class FeaturesReport:
-    without: list[float] = field(default_factory=list)  # rows/s
-    with_schemas: list[float] = field(default_factory=list)
-    traced: list[float] = field(default_factory=list)  # rows with trace context, headers
-    tracing_on: list[float] = field(default_factory=list)  # the same, spans exported
+    rates: dict[str, list[float]] = field(default_factory=dict)  # rows/s
+    relay_us_per_row: dict[str, list[float]] = field(default_factory=dict)
+    spans: int = 0  # exported with tracing on, and their links
+    links: int = 0
 
-    def ratios(self, runs: list[float]) -> list[float]:
-        return [run / plain for run, plain in zip(runs, self.without, strict=True)]
+    def ratios(self, key: str, against: str) -> list[float]:
+        return [run / base for run, base in zip(self.rates[key], self.rates[against], strict=True)]
 
 
 async def measure_features(target: Target, plan: FeaturesPlan) -> FeaturesReport:
     report = FeaturesReport()
     with (
         tempfile.TemporaryDirectory(prefix="outbox-relay-schemas-") as folder,
-        OtlpSink() as sink,
+        OtlpSink(keep_spans=False) as sink,
     ):
         schema = Path(folder) / f"{target.event_type}.schema.json"
         schema.write_text(json.dumps(ORDER_SCHEMA))
         tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint}
         for _ in range(plan.repetitions):
-            for settings, columns, into in (
-                ({}, None, report.without),
-                ({"schemas": folder}, None, report.with_schemas),
-                ({}, TRACED_COLUMNS, report.traced),
-                (tracing, TRACED_COLUMNS, report.tracing_on),
-            ):
+            for arrangement in ARRANGEMENTS:
+                settings = {"schemas": folder} if arrangement.schemas else {}
+                if arrangement.tracing is not None:
+                    settings.update({**tracing, **arrangement.tracing})
                 await target.reset()
-                into.append(
-                    await measure.drain_rate(
-                        target,
-                        plan.drain_rows,
-                        settings=settings,
-                        data=ORDER_DATA,
-                        columns=columns,
-                    )
+                drained = await measure.drain_cost(
+                    target,
+                    plan.drain_rows,
+                    settings=settings,
+                    data=arrangement.data,
+                    columns=arrangement.columns,
+                )
+                report.rates.setdefault(arrangement.key, []).append(drained.rate)
+                report.relay_us_per_row.setdefault(arrangement.key, []).append(
+                    drained.relay_us_per_row
                 )
                 dead = await target.fetch_value(
                     "select count(*) from outbox_events where relay_dead_at is not null"
                 )
                 if dead:  # a row refused (the schema, its headers) would measure nothing
                     raise RuntimeError(f"{dead} rows went dead in the bench")
-        if not sink.spans:
-            raise RuntimeError("tracing on exported no span")
+        report.spans, report.links = sink.span_count, sink.link_count
+    if not report.spans:
+        raise RuntimeError("tracing on exported no span")
     return report
-
-
-# Each arrangement against the plain drain: its name, and the least ratio it targets.
-TARGETS = (
-    ("with_schemas", "with --schemas", 0.9),
-    ("traced", "rows with trace context and two headers, tracing off", 0.95),
-    ("tracing_on", "the same rows, tracing on (spans exported over OTLP)", 0.95),
-)
 
 
 def render(report: FeaturesReport, plan: FeaturesPlan) -> str:
     lines = [
         f"drain of {plan.drain_rows:,} order rows (nested objects, an array, formats, enums), "
-        f"a transaction each; medians of {plan.repetitions}",
-        f"  plain: {statistics.median(report.without):,.0f} rows/s",
+        f"a transaction each; medians of {plan.repetitions}; relay CPU per row (all threads)",
     ]
+    for arrangement in ARRANGEMENTS:
+        rate = statistics.median(report.rates[arrangement.key])
+        cpu = statistics.median(report.relay_us_per_row[arrangement.key])
+        lines.append(f"  {arrangement.name}: {rate:,.0f} rows/s, relay {cpu:.1f} us/row")
+    lines.append(
+        f"  spans exported: {report.spans:,}, with {report.links:,} links "
+        f"({report.links / max(report.spans, 1):.0f} a span)"
+    )
+    names = {arrangement.key: arrangement.name for arrangement in ARRANGEMENTS}
     verdicts = []
-    for key, name, target in TARGETS:
-        runs = getattr(report, key)
-        ratios = report.ratios(runs)
+    for key, against, target in TARGETS:
+        ratios = report.ratios(key, against)
         ratio = statistics.median(ratios)
         each = ", ".join(f"{r:.3f}" for r in ratios)
-        lines.append(f"  {name}: {statistics.median(runs):,.0f} rows/s, ratio {ratio:.3f} ({each})")
+        cpu = statistics.median(report.relay_us_per_row[key]) - statistics.median(
+            report.relay_us_per_row[against]
+        )
         verdicts.append(
-            f"  [{'MET' if ratio >= target else 'NOT MET'}] {name}: at least {target:g} x plain"
+            f"  [{'MET' if ratio >= target else 'NOT MET'}] {names[key]}: "
+            f"{ratio:.3f} x {names[against]} ({each}), relay {cpu:+.1f} us/row; "
+            f"target at least {target:g} x"
         )
     return "\n".join([*lines, "targets:", *verdicts]) + "\n"
 
@@ -189,7 +251,8 @@ def main(
                         "plan": asdict(plan),
                         **asdict(report),
                         "ratios": {
-                            key: report.ratios(getattr(report, key)) for key, _, _ in TARGETS
+                            key: {"against": against, "ratios": report.ratios(key, against)}
+                            for key, against, _ in TARGETS
                         },
                     }
                 )

@@ -210,25 +210,41 @@ async def drain_memory(target: Target, rows: int) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
-class ModeDrain:
-    """A drain with one --publish-mode: its rate, and CPU microseconds per row of
-    the relay alone and of the whole machine (every process on every core)."""
+class DrainCost:
+    """A drain's rate, and CPU microseconds per row of the relay alone (all its
+    threads) and of the whole machine (every process on every core)."""
 
     rate: float
     relay_us_per_row: float
     machine_us_per_row: float
 
 
-async def drain_in_mode(target: Target, rows: int, mode: str) -> ModeDrain:
+async def drain_in_mode(target: Target, rows: int, mode: str) -> DrainCost:
     """A backlog of ``rows`` (a transaction each) published with ``--publish-mode mode``."""
-    async with _publisher(target, False, publish_mode=mode) as publishing:
-        await target.fill(rows)
+    return await drain_cost(target, rows, settings={"publish_mode": mode})
+
+
+async def drain_cost(
+    target: Target,
+    rows: int,
+    *,
+    settings: Mapping[str, str] | None = None,
+    data: str | None = None,
+    columns: Mapping[str, str] | None = None,
+) -> DrainCost:
+    """A backlog of ``rows`` (a transaction each) published by a relay with
+    ``settings`` (``data`` and ``columns``: each row's, as SQL, see Target.fill)."""
+    async with _Publishing(target, False, 1, dict(settings or {})) as publishing:
+        if data is None:
+            await target.fill(rows, columns=columns)
+        else:
+            await target.fill(rows, data=data, columns=columns)
         relay_cpu, machine_cpu = publishing.cpu_seconds(), machine_busy_seconds()
         started = time.perf_counter()
         await target.execute("select pg_notify('outbox_events', '')")
         await target.wait_until_drained(0.05)
         elapsed = time.perf_counter() - started
-        return ModeDrain(
+        return DrainCost(
             rate=rows / elapsed,
             relay_us_per_row=(publishing.cpu_seconds() - relay_cpu) / rows * 1e6,
             machine_us_per_row=(machine_busy_seconds() - machine_cpu) / rows * 1e6,

@@ -26,7 +26,7 @@ from relay.ordering import (
     unsettled_subjects,
 )
 from relay.publishable import rejection, size_problem, subject_problem
-from relay.replies import PERMISSION_DENIED, classify, denied_subject, parse_ack
+from relay.replies import PERMISSION_DENIED, denied_subject, parse_ack
 from relay.scheduler import linger_for, sleep_retry_pause
 from relay.streams import short_duplicate_windows
 
@@ -477,18 +477,6 @@ def test_a_warning_repeated_every_half_second_is_logged_once_a_minute(caplog):
         "NATS client error: nats: authorization violation (119 more times in the last 60s)",
         "another error",
     ]
-
-
-def test_an_unexpected_publish_error_is_the_relays_and_logged_with_its_traceback(caplog):
-    try:
-        raise TypeError("a bug")
-    except TypeError as exc:
-        failed = classify(exc)
-    assert failed.reason is FailureReason.RELAY_ERROR
-    assert not failed.reason.permanent
-    [record] = [r for r in caplog.records if r.levelname == "ERROR"]
-    assert record.exc_info is not None
-    assert "a bug" in record.exc_text or "a bug" in str(record.exc_info[1])
 
 
 def test_a_start_failure_found_by_a_task_is_one_line_not_a_traceback():

@@ -58,6 +58,10 @@ def test_a_valid_traceparent_is_kept(value):
         "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",  # version ff
         "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",  # 00 with more
         "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",  # short trace id
+        "01-00000000000000000000000000000000-00f067aa0ba902b7-01",  # later version, zero id
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01-x",  # the same, parent
+        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x",  # fields without a dash
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0",  # short flags
     ],
 )
 def test_an_invalid_traceparent_is_dropped_with_its_tracestate(value):
@@ -66,6 +70,8 @@ def test_an_invalid_traceparent_is_dropped_with_its_tracestate(value):
 
 def test_a_tracestate_nats_cannot_carry_or_too_long_is_dropped_alone():
     assert trace_context(TRACEPARENT, "a=1\r\nNats-Rollup: all") == TraceContext(TRACEPARENT, None)
+    assert trace_context(TRACEPARENT, "a=\u00e9t\u00e9") == TraceContext(TRACEPARENT, None)
+    assert trace_context(TRACEPARENT, "a=1\tb") == TraceContext(TRACEPARENT, None)
     too_long = "a=" + "x" * TRACESTATE_LIMIT
     assert trace_context(TRACEPARENT, too_long) == TraceContext(TRACEPARENT, None)
     assert trace_context(None, "vendor=x") is None

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from relay.tracing import NoTracing, start_tracing, tracing_requested
+from relay.headers import TraceContext
+from relay.tracing import NoTracing, links_to_make, sampled, start_tracing, tracing_requested
+from relay_tools.otlpsink import OtlpSink
 
 ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}
 
@@ -53,3 +55,47 @@ def test_the_service_name_is_the_environments_or_outbox_relay(monkeypatch, envir
         assert tracing._provider.resource.attributes["service.name"] == name  # type: ignore[attr-defined]
     finally:
         tracing.shutdown()
+
+
+def context(n: int, flags: str) -> TraceContext:
+    return TraceContext(f"00-{n + 1:032x}-{n + 1:016x}-{flags}", None)
+
+
+@pytest.mark.parametrize(
+    ("flags", "is_sampled"), [("01", True), ("00", False), ("03", True), ("02", False)]
+)
+def test_sampled_is_the_trace_flags_lowest_bit(flags, is_sampled):
+    assert sampled(context(0, flags)) is is_sampled
+    later = TraceContext(context(0, flags).traceparent.replace("00-", "01-", 1) + "-x", None)
+    assert sampled(later) is is_sampled
+
+
+def test_a_span_links_the_sampled_producers_in_row_order_up_to_the_limit():
+    producers = [context(n, "01" if n % 3 else "00") for n in range(12)]
+    wanted = [c for n, c in enumerate(producers) if n % 3]
+    assert links_to_make(producers, None) == (wanted, 0)
+    assert links_to_make(producers, 8) == (wanted, 0)
+    assert links_to_make(producers, 5) == (wanted[:5], 3)
+    assert links_to_make(producers, 0) == ([], 8)
+    assert links_to_make([context(0, "00")], 5) == ([], 0)
+
+
+def test_the_spans_links_through_the_sdk(monkeypatch):
+    """Through the SDK and its OTLP exporter to a receiver on loopback: the links
+    made, the count left out, and none (no span) when the sampler drops the span."""
+    pytest.importorskip("opentelemetry.sdk")
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "3")
+    producers = [context(n, "01" if n % 2 else "00") for n in range(10)]
+    for sampler, spans in (("always_on", 1), ("always_off", 0)):
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+        with OtlpSink() as sink:
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+            tracing = start_tracing()
+            tracing.publish_span(["a.b"] * 10, producers).end({})
+            tracing.shutdown()  # exports what is left
+            assert len(sink.spans) == spans
+            if spans:
+                (span,) = sink.spans
+                assert span.links == [(f"{n:032x}", f"{n:016x}") for n in (2, 4, 6)]
+                assert span.attributes["outbox_relay.unlinked_producers"] == 2
+                assert span.attributes["messaging.batch.message_count"] == 10
