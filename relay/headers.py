@@ -75,7 +75,9 @@ def row_headers(text: str | None) -> tuple[Mapping[str, str], str | None]:
         problem = header_problem(name, value)
         if problem is not None:
             return {}, f"headers: {problem}"
-        headers[name] = value
+        # Without surrounding whitespace, as nats-py's publish sends a value: the same
+        # bytes in every publish mode.
+        headers[name] = value.strip()
     return headers, None
 
 

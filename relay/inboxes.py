@@ -18,9 +18,9 @@ from relay.replies import PERMISSION_DENIED, parse_ack
 
 def hpub_frame(subject: str, reply: str, headers: Mapping[str, str], body: bytes) -> bytes:
     """One HPUB protocol frame, as nats-py's publish writes it (a test holds the two
-    byte for byte), built in one step: a batch needs neither nats-py's per-message
-    checks (the subject and size were checked when the row was) nor its per-message
-    queueing, which cost a fast batch more than the rest of its sending."""
+    byte for byte), built in one step: a wave or a batch needs neither nats-py's
+    per-message checks (the subject, size and headers were checked when the row was)
+    nor its per-message queueing, which cost more than the rest of its sending."""
     head = "NATS/1.0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
     block = head.encode()
     size = len(block)

@@ -4,11 +4,12 @@ this one module to check, and :func:`check` to fail on at start.
 
 Why reach in at all. nats-py queues every PUB and leaves the write to its flusher
 task, whose turn under trio-asyncio comes a good part of a light-load
-commit-to-broker time later (docs/performance.md); and a batch's frames, queued one
-by one through nats-py's publish, cost a fast batch more than the rest of its
-sending. Frames queued here bypass nats-py's max_pending_size back-pressure: they are
-at most one claimed batch (--batch-size rows, each under max_payload), whose rows
-the relay holds in memory anyway, and they go to the socket at once.
+commit-to-broker time later (docs/performance.md); and messages queued one by one
+through nats-py's publish (which checks and encodes each header apart) cost a wave
+or a batch more than the rest of its sending. Frames queued here bypass nats-py's
+max_pending_size back-pressure: they are at most one claimed batch (--batch-size
+rows, each under max_payload), whose rows the relay holds in memory anyway, and they
+go to the socket at once.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ batch's size, and a link to each row's producer context. Each message's
 CloudEvents extension (relay/envelope.py). A batch with failed rows records them on
 the span.
 
-Links cost the relay about 10 us each (the SDK's objects, then its encoder), about
-as much as the rest of a row's work: so a span links only producer contexts that
-were sampled (an unsampled one names a trace nobody recorded), at most the SDK's
-link limit (`OTEL_SPAN_LINK_COUNT_LIMIT`, 128 by default), and none when the span
-itself is not sampled (docs/performance.md).
+Links are most of a span's cost (the SDK's objects, then its encoder: measured in
+docs/performance.md), so a span links only producer contexts that were sampled (an
+unsampled one names a trace nobody recorded), at most the SDK's link limit
+(`OTEL_SPAN_LINK_COUNT_LIMIT`, 128 by default), and none when the span itself is
+not sampled.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 import pytest
-from nats.aio.client import _CRLF_, NATS_HDR_LINE
+from nats.aio.client import _CRLF_, NATS_HDR_LINE, Client
 from nats.protocol.command import hpub_cmd
 
 from relay.batch import Batch, split_by_publish_mode
@@ -21,8 +21,9 @@ from relay.batchreplies import (
     decode,
 )
 from relay.config import Config
-from relay.envelope import Message
+from relay.envelope import Message, row_message
 from relay.failpoints import Failpoints
+from relay.headers import trace_context
 from relay.inboxes import atomic_batch_headers, batch_outcome, fast_batch_reply, hpub_frame
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
 from relay.replies import api_error
@@ -436,6 +437,35 @@ def test_hpub_frames_are_what_nats_py_writes():
     # reads both the same.
     without = hpub_cmd("orders.placed", "", block, body).replace(b"  ", b" ", 1)
     assert hpub_frame("orders.placed", "", headers, body) == without
+
+
+def test_a_traced_rows_frame_is_what_nats_pys_publish_writes():
+    """nats-py's own publish, its socket write captured: the relay's frame for a
+    message with trace context and a row's headers (one padded with spaces) is the
+    same bytes, so every publish mode sends the same message."""
+    nc = Client()
+    written: list[bytes] = []
+
+    async def capture(command: bytes, priority: bool = False) -> None:
+        written.append(command)
+
+    nc._send_command = capture  # type: ignore[method-assign]
+    source = row("e1", "orders.placed", 1)._replace(
+        traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        tracestate="shop=a1",
+        headers='{"x-tenant": " acme ", "x-priority": "high"}',
+    )
+    message = row_message(
+        source, "2026-12-05T00:00:00Z", trace_context(source.traceparent, source.tracestate)
+    )
+    assert isinstance(message, Message)
+    assert message.headers["x-tenant"] == "acme"
+    asyncio.run(
+        nc._send_publish(
+            message.subject, "_INBOX.x.a.1", message.body, len(message.body), message.headers
+        )
+    )
+    assert written == [hpub_frame(message.subject, "_INBOX.x.a.1", message.headers, message.body)]
 
 
 def test_one_stream_is_one_group():
