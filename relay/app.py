@@ -87,7 +87,7 @@ class Relay:
                 event_type=self.metrics.event_type(event_type)
             ).inc(),
         )
-        self.tracing = start_tracing()
+        self.tracing = start_tracing(row_spans=config.trace_rows)
         batch = Batch(
             config=config,
             database=self.database,

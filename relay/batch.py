@@ -35,12 +35,12 @@ from relay.failpoints import Failpoints
 from relay.headers import TraceContext, trace_context
 from relay.logs import RepeatedWarnings
 from relay.marks import Marks, decide_marks
-from relay.model import Failed, FailureReason, OutboxRow, PublishResult, RowId
+from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.publishable import UNWRITABLE_TIME, rejection
 from relay.schemas import SchemaCheck
 from relay.streams import ATOMIC_BATCH_LIMIT, ATOMIC_HEADER_BYTES, MIN_BATCH_MESSAGES, PublishMode
-from relay.tracing import NoTracing, Tracing
+from relay.tracing import NoTracing, PublishedRow, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,19 @@ class BatchOutcome:
     broker_outage: bool = False
     # Its claim walked the claim index from the first entry (relay/claimstart.py).
     from_first_entry: bool = False
+
+
+def published_rows(
+    rows: Sequence[OutboxRow],
+    results: Mapping[RowId, PublishResult],
+    traces: Mapping[RowId, TraceContext | None],
+) -> list[PublishedRow]:
+    """The acked rows that carry a producer's trace context, for their own spans."""
+    return [
+        PublishedRow(row.id, row.event_type, row.created_at, trace)
+        for row in rows
+        if (trace := traces.get(row.id)) is not None and isinstance(results.get(row.id), Acked)
+    ]
 
 
 def split_by_publish_mode(
@@ -298,7 +311,10 @@ class Batch:
         try:
             results = await self._publish_rows(rows, deadline, traces, span.context)
         finally:
-            span.end(Counter(r.reason.value for r in results.values() if isinstance(r, Failed)))
+            span.end(
+                Counter(r.reason.value for r in results.values() if isinstance(r, Failed)),
+                published_rows(rows, results, traces) if self._tracing.row_spans else (),
+            )
         return results
 
     async def _publish_rows(

@@ -130,6 +130,7 @@ class Config:
     database_pooler: str = "auto"
     poll_only: bool = False  # no LISTEN at all: the poll alone finds new rows
     envelope: str = "structured"  # CloudEvents content mode: structured or binary
+    trace_rows: bool = False  # with tracing on: a span per published row, in its trace
     schemas: str | None = None  # a folder of <event_type>.schema.json (relay/schemas.py)
     schemas_required: bool = False  # a type without a schema is invalid, not unchecked
     nats_urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
@@ -399,6 +400,14 @@ RUN_OPTIONS: tuple[Option, ...] = (
         _choice("structured", "binary"),
         "CloudEvents content mode: structured (the JSON envelope is the body) or binary "
         "(the body is the data, each attribute a ce- header)",
+    ),
+    Option(
+        "trace_rows",
+        parse_switch,
+        "with OpenTelemetry tracing on: also a span per published row whose producer "
+        "sampled its trace, in that trace, from created_at to the ack (costs a span a row)",
+        lambda on: "on" if on else "off",
+        switch=True,
     ),
     _duration("poll_interval", "fallback poll when no notification comes"),
     _duration(

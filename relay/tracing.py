@@ -15,14 +15,21 @@ docs/performance.md), so a span links only producer contexts that were sampled (
 unsampled one names a trace nobody recorded), at most the SDK's link limit
 (`OTEL_SPAN_LINK_COUNT_LIMIT`, 128 by default), and none when the span itself is
 not sampled.
+
+With ``--trace-rows``, each published row whose producer sampled its trace also gets
+a span of its own in that trace: a child of the producer's span, from the row's
+``created_at`` to the batch's acks ("time in the outbox", as Debezium's commit span),
+linked to the publish span. It costs a span a row, so it is off by default.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from relay.headers import TraceContext
 
@@ -30,6 +37,15 @@ log = logging.getLogger(__name__)
 
 # The SDK's variables that ask for traces to be exported (the exporter reads them).
 _ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+class PublishedRow(NamedTuple):
+    """A row the broker acked, with its producer's context: for its own span."""
+
+    id: str
+    event_type: str
+    created_at: float  # epoch seconds
+    producer: TraceContext
 
 
 class PublishSpan(Protocol):
@@ -40,13 +56,15 @@ class PublishSpan(Protocol):
         """The context each message's headers carry (None: the producer's)."""
         ...
 
-    def end(self, failed: Mapping[str, int]) -> None:
-        """End the span; ``failed`` counts the rows that failed, by reason."""
+    def end(self, failed: Mapping[str, int], published: Sequence[PublishedRow] = ()) -> None:
+        """End the span; ``failed`` counts the rows that failed, by reason;
+        ``published``: the acked rows that get a span of their own (``row_spans``)."""
         ...
 
 
 class Tracing(Protocol):
     enabled: bool
+    row_spans: bool  # --trace-rows: the batch passes its published rows to end()
 
     def publish_span(
         self, subjects: Sequence[str], producers: Sequence[TraceContext]
@@ -61,12 +79,13 @@ class Tracing(Protocol):
 class _NoSpan:
     context = None
 
-    def end(self, failed: Mapping[str, int]) -> None:
+    def end(self, failed: Mapping[str, int], published: Sequence[PublishedRow] = ()) -> None:
         return None
 
 
 class NoTracing:
     enabled = False
+    row_spans = False
 
     def publish_span(
         self, subjects: Sequence[str], producers: Sequence[TraceContext]
@@ -103,14 +122,20 @@ def links_to_make(
     return wanted[:limit], len(wanted) - limit
 
 
-def start_tracing(environ: Mapping[str, str] | None = None) -> Tracing:
+def start_tracing(environ: Mapping[str, str] | None = None, *, row_spans: bool = False) -> Tracing:
     """The SDK's tracing when the environment asks for it and the extra is
-    installed; NoTracing (with one warning if the extra is missing) otherwise."""
+    installed; NoTracing (with one warning if the extra is missing) otherwise.
+    ``row_spans``: a span for each published row too (``--trace-rows``)."""
     environ = os.environ if environ is None else environ
     if not tracing_requested(environ):
+        if row_spans:
+            log.warning(
+                "--trace-rows is on but tracing is off (no OTEL_EXPORTER_OTLP_ENDPOINT, or "
+                "OTEL_SDK_DISABLED / OTEL_TRACES_EXPORTER=none): no spans"
+            )
         return NoTracing()
     try:
-        return _OtelTracing()
+        return _OtelTracing(row_spans=row_spans)
     except ImportError as exc:
         log.warning(
             "OTEL_EXPORTER_OTLP_ENDPOINT is set but OpenTelemetry is not installed (%s): "
@@ -121,27 +146,30 @@ def start_tracing(environ: Mapping[str, str] | None = None) -> Tracing:
 
 
 class _OtelSpan:
-    def __init__(self, span: Any, status_error: Any) -> None:
+    def __init__(self, span: Any, tracing: _OtelTracing) -> None:
         self._span = span
-        self._status_error = status_error
+        self._tracing = tracing
         context = span.get_span_context()
         self.context = TraceContext(
             f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}",
             context.trace_state.to_header() or None,
         )
 
-    def end(self, failed: Mapping[str, int]) -> None:
+    def end(self, failed: Mapping[str, int], published: Sequence[PublishedRow] = ()) -> None:
         if failed:
             reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(failed.items()))
             self._span.set_attribute("outbox_relay.failed_rows", sum(failed.values()))
-            self._span.set_status(self._status_error, f"rows not published ({reasons})")
-        self._span.end()
+            self._span.set_status(self._tracing.status_error, f"rows not published ({reasons})")
+        acked_at = time.time_ns()
+        self._span.end(end_time=acked_at)
+        if published:
+            self._tracing.row_spans_of(self._span, published, acked_at)
 
 
 class _OtelTracing:
     enabled = True
 
-    def __init__(self) -> None:
+    def __init__(self, *, row_spans: bool = False) -> None:
         # Imported here: the extra is optional, and without it nothing is loaded.
         from opentelemetry import trace  # noqa: PLC0415
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
@@ -150,7 +178,15 @@ class _OtelTracing:
         from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
         from opentelemetry.sdk.trace import SpanLimits, TracerProvider  # noqa: PLC0415
         from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
-        from opentelemetry.trace import SpanContext, SpanKind, TraceFlags  # noqa: PLC0415
+        from opentelemetry.trace import (  # noqa: PLC0415
+            Link,
+            NonRecordingSpan,
+            SpanContext,
+            SpanKind,
+            TraceFlags,
+            TraceState,
+            set_span_in_context,
+        )
         from opentelemetry.trace.status import StatusCode  # noqa: PLC0415
 
         from relay import __version__  # noqa: PLC0415
@@ -168,8 +204,17 @@ class _OtelTracing:
         self._span_context = SpanContext
         self._sampled = TraceFlags(TraceFlags.SAMPLED)
         self._kind = SpanKind.PRODUCER
-        self._error = StatusCode.ERROR
-        log.info("OpenTelemetry tracing on: a span per batch publish")
+        self.status_error = StatusCode.ERROR
+        self.row_spans = row_spans
+        self._link = Link
+        self._in_context = set_span_in_context
+        self._non_recording = NonRecordingSpan
+        self._trace_state = TraceState.from_header
+        self._internal = SpanKind.INTERNAL
+        log.info(
+            "OpenTelemetry tracing on: a span per batch publish%s",
+            ", and one per published row (--trace-rows)" if row_spans else "",
+        )
 
     def publish_span(
         self, subjects: Sequence[str], producers: Sequence[TraceContext]
@@ -196,12 +241,41 @@ class _OtelTracing:
                 span.add_link(self._producer_context(context))
             if left_out:
                 span.set_attribute("outbox_relay.unlinked_producers", left_out)
-        return _OtelSpan(span, self._error)
+        return _OtelSpan(span, self)
 
-    def _producer_context(self, context: TraceContext) -> Any:
+    def _producer_context(self, context: TraceContext, trace_state: Any = None) -> Any:
         # A checked traceparent (relay/headers.py): ids at fixed places, sampled.
         value = context.traceparent
-        return self._span_context(int(value[3:35], 16), int(value[36:52], 16), True, self._sampled)
+        return self._span_context(
+            int(value[3:35], 16), int(value[36:52], 16), True, self._sampled, trace_state
+        )
+
+    def row_spans_of(self, publish: Any, rows: Sequence[PublishedRow], acked_at: int) -> None:
+        """A span for each row whose producer sampled its trace, in that trace: from
+        its created_at (never after the acks, whatever the two clocks say) to the
+        acks, linked to the publish span."""
+        publish_context = publish.get_span_context()
+        for row in rows:
+            if not sampled(row.producer) or not math.isfinite(row.created_at):
+                continue
+            header = row.producer.tracestate
+            state = self._trace_state([header]) if header else None
+            span = self._tracer.start_span(
+                f"outbox {row.event_type}",
+                context=self._in_context(
+                    self._non_recording(self._producer_context(row.producer, state))
+                ),
+                kind=self._internal,
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.destination.name": row.event_type,
+                    "messaging.message.id": row.id,
+                },
+                links=[self._link(publish_context)],
+                # created_at has microseconds: rounded there, the float is exact.
+                start_time=min(round(row.created_at * 1_000_000) * 1_000, acked_at),
+            )
+            span.end(end_time=acked_at)
 
     def shutdown(self) -> None:
         self._provider.shutdown()  # exports what is left

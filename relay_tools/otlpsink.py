@@ -23,6 +23,10 @@ class ReceivedSpan:
     links: list[tuple[str, str]]  # (trace id, span id), hex
     status_code: int
     status_message: str
+    parent_span_id: str  # hex, "" for a root span
+    start_ns: int
+    end_ns: int
+    trace_state: str
 
 
 def _value(any_value: Any) -> Any:
@@ -86,6 +90,10 @@ class OtlpSink:
                 links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
                 status_code=span.status.code,
                 status_message=span.status.message,
+                parent_span_id=span.parent_span_id.hex(),
+                start_ns=span.start_time_unix_nano,
+                end_ns=span.end_time_unix_nano,
+                trace_state=span.trace_state,
             )
             for span in (spans if self.keep_spans else [])
         ]

@@ -206,14 +206,15 @@ def test_the_features_quick_mode_drains_each_arrangement(tmp_path):
     document = json.loads(out.read_text())
     arrangements = {
         "without", "with_schemas", "padded", "traced", "tracing_on", "tracing_on_32_links",
-        "tracing_on_tenth",
+        "tracing_on_tenth", "trace_rows", "trace_rows_tenth",
     }  # fmt: skip
     assert set(document["rates"]) == set(document["relay_us_per_row"]) == arrangements
     assert all(len(runs) == 1 and runs[0] > 0 for runs in document["rates"].values())
     assert set(document["ratios"]) == arrangements - {"without", "padded"}
     # Spans linked to the producers, at most the SDK's default link limit each.
     assert 0 < document["links"] <= 128 * document["spans"]
-    assert result.stdout.count("[MET]") + result.stdout.count("[NOT MET]") == 5
+    assert result.stdout.count("[MET]") + result.stdout.count("[NOT MET]") == 6
+    assert result.stdout.count("[figure]") == 1
 
 
 def assert_charts(directory: Path, *names: str) -> None:

@@ -68,6 +68,36 @@ def test_one_trace_from_the_row_through_the_relays_span_to_the_message(
     assert "OpenTelemetry tracing on" in relay.logs()
 
 
+def test_with_trace_rows_the_row_has_a_span_in_the_producers_trace(
+    db_url, stream, start_relay, sink
+):
+    """--trace-rows: the row's own span is a child of the producer's span (its trace
+    id, its parent), from the row's created_at to the acks, and linked to the
+    relay's publish span, which the message's traceparent names."""
+    relay = tracing_relay(start_relay, sink, trace_rows="true")
+    event = Event(stream.subject("order.paid"), "order-4", {"amount": 5})
+    insert_with(db_url, event, traceparent=TRACEPARENT, tracestate="shop=a1")
+    wait_until(lambda: len(stream.read()) == 1, message="published")
+    [row_span] = wait_until(
+        lambda: [s for s in sink.spans if s.name == f"outbox {event.event_type}"],
+        message="the row's span",
+    )
+    assert (row_span.trace_id, row_span.parent_span_id) == (PRODUCER_TRACE, PRODUCER_SPAN)
+    assert row_span.trace_state == "shop=a1"
+    assert row_span.attributes["messaging.message.id"] == str(event.id)
+    [(created_at_us,)] = database.fetch(
+        db_url,
+        "select (extract(epoch from created_at) * 1000000)::bigint from outbox_events "
+        "where id = %s",
+        (event.id,),
+    )
+    assert row_span.start_ns == created_at_us * 1000
+    assert row_span.end_ns >= row_span.start_ns
+    _, trace_id, span_id, _ = stream.read()[0].headers["traceparent"].split("-")
+    assert row_span.links == [(trace_id, span_id)]
+    assert "one per published row (--trace-rows)" in relay.logs()
+
+
 def test_a_failure_is_recorded_on_the_span(db_url, stream, start_relay, sink):
     tracing_relay(start_relay, sink)
     rogue = Event(stream.subject("order.paid"), "order-2", {"n": 1})

@@ -12,7 +12,7 @@ import pytest
 from nats.aio.client import _CRLF_, NATS_HDR_LINE, Client
 from nats.protocol.command import hpub_cmd
 
-from relay.batch import Batch, split_by_publish_mode
+from relay.batch import Batch, published_rows, split_by_publish_mode
 from relay.batchreplies import (
     FAST_BATCH_OUTSTANDING_ACKS,
     AtomicBatch,
@@ -28,6 +28,7 @@ from relay.inboxes import atomic_batch_headers, batch_outcome, fast_batch_reply,
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
 from relay.replies import api_error
 from relay.streams import PublishMode, StreamModes, choose_mode, stream_for, subject_matches
+from relay.tracing import PublishedRow
 
 TIMEOUT = Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
 ACKED = Acked()
@@ -466,6 +467,21 @@ def test_a_traced_rows_frame_is_what_nats_pys_publish_writes():
         )
     )
     assert written == [hpub_frame(message.subject, "_INBOX.x.a.1", message.headers, message.body)]
+
+
+def test_only_acked_rows_with_a_producer_context_get_a_row_span():
+    rows = [row(f"e{n}", "a.x", n) for n in range(4)]
+    producer = trace_context("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None)
+    assert producer is not None
+    results: dict[str, PublishResult] = {
+        rows[0].id: ACKED,
+        rows[1].id: Acked(duplicate=True),
+        rows[2].id: TIMEOUT,
+    }
+    traces = {rows[0].id: producer, rows[1].id: None, rows[2].id: producer, rows[3].id: producer}
+    assert published_rows(rows, results, traces) == [
+        PublishedRow(rows[0].id, "a.x", rows[0].created_at, producer)
+    ]
 
 
 def test_one_stream_is_one_group():

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from relay.headers import TraceContext
-from relay.tracing import NoTracing, links_to_make, sampled, start_tracing, tracing_requested
+from relay.tracing import (
+    NoTracing,
+    PublishedRow,
+    links_to_make,
+    sampled,
+    start_tracing,
+    tracing_requested,
+)
 from relay_tools.otlpsink import OtlpSink
 
 ENDPOINT = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}
@@ -99,3 +106,56 @@ def test_the_spans_links_through_the_sdk(monkeypatch):
                 assert span.links == [(f"{n:032x}", f"{n:016x}") for n in (2, 4, 6)]
                 assert span.attributes["outbox_relay.unlinked_producers"] == 2
                 assert span.attributes["messaging.batch.message_count"] == 10
+
+
+def test_with_trace_rows_each_sampled_rows_span_is_in_its_producers_trace(monkeypatch):
+    """--trace-rows: a span per published row whose producer sampled its trace, a
+    child of the producer's span from the row's created_at to the acks, linked to
+    the publish span; none for an unsampled producer or an unwritable created_at;
+    a created_at ahead of the relay's clock starts at the acks, never after them."""
+    pytest.importorskip("opentelemetry.sdk")
+    producers = [context(n, "01") for n in range(3)] + [context(3, "00")]
+    producers[1] = producers[1]._replace(tracestate="shop=a1")
+    published = [
+        PublishedRow("row-0", "order.paid", 1_700_000_000.25, producers[0]),
+        PublishedRow("row-1", "order.paid", 4_000_000_000.0, producers[1]),  # clock ahead
+        PublishedRow("row-2", "order.paid", float("-inf"), producers[2]),
+        PublishedRow("row-3", "order.paid", 1_700_000_000.0, producers[3]),  # unsampled
+    ]
+    with OtlpSink() as sink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+        tracing = start_tracing(row_spans=True)
+        assert tracing.row_spans
+        span = tracing.publish_span(["order.paid"] * 4, producers)
+        span.end({}, published)
+        tracing.shutdown()
+    (publish,) = [s for s in sink.spans if s.name == "send order.paid"]
+    rows = {s.attributes["messaging.message.id"]: s for s in sink.spans if s.name != publish.name}
+    assert sorted(rows) == ["row-0", "row-1"]
+    for n, row in enumerate((rows["row-0"], rows["row-1"])):
+        assert (row.trace_id, row.parent_span_id) == (f"{n + 1:032x}", f"{n + 1:016x}")
+        assert row.name == "outbox order.paid"
+        assert row.links == [(publish.trace_id, publish.span_id)]
+        assert row.end_ns == publish.end_ns
+        assert row.attributes["messaging.destination.name"] == "order.paid"
+    assert rows["row-0"].start_ns == 1_700_000_000_250_000_000
+    assert rows["row-1"].start_ns == rows["row-1"].end_ns
+    assert rows["row-1"].trace_state == "shop=a1"
+
+
+def test_without_trace_rows_a_batch_makes_one_span(monkeypatch):
+    pytest.importorskip("opentelemetry.sdk")
+    with OtlpSink() as sink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+        tracing = start_tracing()
+        assert not tracing.row_spans
+        tracing.publish_span(["a.b"], [context(0, "01")]).end({})
+        tracing.shutdown()
+    assert [s.name for s in sink.spans] == ["send a.b"]
+
+
+def test_trace_rows_without_tracing_says_so(monkeypatch, caplog):
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    assert isinstance(start_tracing(row_spans=True), NoTracing)
+    assert "--trace-rows is on but tracing is off" in caplog.text
