@@ -12,9 +12,9 @@ the span.
 
 Links are most of a span's cost (the SDK's objects, then its encoder: measured in
 docs/performance.md), so a span links only producer contexts that were sampled (an
-unsampled one names a trace nobody recorded), at most the SDK's link limit
-(`OTEL_SPAN_LINK_COUNT_LIMIT`, 128 by default), and none when the span itself is
-not sampled.
+unsampled one names a trace nobody recorded), at most LINKS_PER_SPAN unless
+`OTEL_SPAN_LINK_COUNT_LIMIT` says otherwise (the SDK's own default, 128, costs a
+drain several percent), and none when the span itself is not sampled.
 
 With ``--trace-rows``, each published row whose producer sampled its trace also gets
 a span of its own in that trace: a child of the producer's span, from the row's
@@ -31,12 +31,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from relay.errors import ConfigError
 from relay.headers import TraceContext
 
 log = logging.getLogger(__name__)
 
 # The SDK's variables that ask for traces to be exported (the exporter reads them).
 _ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# Links a publish span makes when OTEL_SPAN_LINK_COUNT_LIMIT is not set: a batch
+# holds more rows only while a backlog drains (docs/events.md).
+LINKS_PER_SPAN = 32
+_LINK_LIMIT = "OTEL_SPAN_LINK_COUNT_LIMIT"
 
 
 class PublishedRow(NamedTuple):
@@ -122,6 +127,20 @@ def links_to_make(
     return wanted[:limit], len(wanted) - limit
 
 
+def link_limit(environ: Mapping[str, str]) -> int | None:
+    """Links a publish span makes: OTEL_SPAN_LINK_COUNT_LIMIT as the SDK reads it
+    ("unset": no limit, None), else LINKS_PER_SPAN."""
+    value = environ.get(_LINK_LIMIT)
+    if value is None:
+        return LINKS_PER_SPAN
+    value = value.strip().lower()
+    if value == "unset":
+        return None
+    if not value.isdigit():
+        raise ConfigError(_LINK_LIMIT, f"a non-negative integer or 'unset', not {value!r}")
+    return int(value)
+
+
 def start_tracing(environ: Mapping[str, str] | None = None, *, row_spans: bool = False) -> Tracing:
     """The SDK's tracing when the environment asks for it and the extra is
     installed; NoTracing (with one warning if the extra is missing) otherwise.
@@ -135,7 +154,7 @@ def start_tracing(environ: Mapping[str, str] | None = None, *, row_spans: bool =
             )
         return NoTracing()
     try:
-        return _OtelTracing(row_spans=row_spans)
+        return _OtelTracing(row_spans=row_spans, environ=environ)
     except ImportError as exc:
         log.warning(
             "OTEL_EXPORTER_OTLP_ENDPOINT is set but OpenTelemetry is not installed (%s): "
@@ -169,14 +188,15 @@ class _OtelSpan:
 class _OtelTracing:
     enabled = True
 
-    def __init__(self, *, row_spans: bool = False) -> None:
+    def __init__(self, *, row_spans: bool, environ: Mapping[str, str]) -> None:
+        self._link_limit = link_limit(environ)  # first: one line for a bad value
         # Imported here: the extra is optional, and without it nothing is loaded.
         from opentelemetry import trace  # noqa: PLC0415
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
             OTLPSpanExporter,
         )
         from opentelemetry.sdk.resources import Resource  # noqa: PLC0415
-        from opentelemetry.sdk.trace import SpanLimits, TracerProvider  # noqa: PLC0415
+        from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
         from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
         from opentelemetry.trace import (  # noqa: PLC0415
             Link,
@@ -199,8 +219,6 @@ class _OtelTracing:
         self._provider = TracerProvider(resource=resource)  # OTEL_TRACES_SAMPLER applies
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         self._tracer = trace.get_tracer("outbox-relay", __version__, self._provider)
-        # The provider's own limit (OTEL_SPAN_LINK_COUNT_LIMIT; None: "unset", none).
-        self._link_limit = SpanLimits().max_links
         self._span_context = SpanContext
         self._sampled = TraceFlags(TraceFlags.SAMPLED)
         self._kind = SpanKind.PRODUCER

@@ -121,10 +121,10 @@ ARRANGEMENTS = (
         tracing={},
     ),
     Arrangement(
-        "tracing_on_32_links",
-        "the same, OTEL_SPAN_LINK_COUNT_LIMIT=32",
+        "tracing_on_128_links",
+        "the same, OTEL_SPAN_LINK_COUNT_LIMIT=128 (the SDK's default)",
         columns=TRACED_COLUMNS,
-        tracing={"OTEL_SPAN_LINK_COUNT_LIMIT": "32"},
+        tracing={"OTEL_SPAN_LINK_COUNT_LIMIT": "128"},
     ),
     Arrangement(
         "tracing_on_tenth",
@@ -147,16 +147,16 @@ ARRANGEMENTS = (
         trace_rows=True,
     ),
 )
-# What each arrangement is measured against, and the least ratio it targets (None:
-# a figure only: a span a row is what --trace-rows asks for).
+# What each arrangement is measured against, and the least ratio it targets (None: a
+# figure only, for a choice the operator makes: more links, or a span a row).
 TARGETS: tuple[tuple[str, str, float | None], ...] = (
     ("with_schemas", "without", 0.9),
     ("traced", "padded", 0.95),
     ("tracing_on", "traced", 0.95),
-    ("tracing_on_32_links", "traced", 0.95),
+    ("tracing_on_128_links", "traced", None),
     ("tracing_on_tenth", "traced", 0.95),
     ("trace_rows", "traced", None),
-    ("trace_rows_tenth", "traced", 0.9),
+    ("trace_rows_tenth", "traced", None),
 )
 
 

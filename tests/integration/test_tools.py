@@ -205,7 +205,7 @@ def test_the_features_quick_mode_drains_each_arrangement(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads(out.read_text())
     arrangements = {
-        "without", "with_schemas", "padded", "traced", "tracing_on", "tracing_on_32_links",
+        "without", "with_schemas", "padded", "traced", "tracing_on", "tracing_on_128_links",
         "tracing_on_tenth", "trace_rows", "trace_rows_tenth",
     }  # fmt: skip
     assert set(document["rates"]) == set(document["relay_us_per_row"]) == arrangements
@@ -213,8 +213,8 @@ def test_the_features_quick_mode_drains_each_arrangement(tmp_path):
     assert set(document["ratios"]) == arrangements - {"without", "padded"}
     # Spans linked to the producers, at most the SDK's default link limit each.
     assert 0 < document["links"] <= 128 * document["spans"]
-    assert result.stdout.count("[MET]") + result.stdout.count("[NOT MET]") == 6
-    assert result.stdout.count("[figure]") == 1
+    assert result.stdout.count("[MET]") + result.stdout.count("[NOT MET]") == 4
+    assert result.stdout.count("[figure]") == 3
 
 
 def assert_charts(directory: Path, *names: str) -> None:

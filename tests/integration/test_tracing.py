@@ -98,6 +98,64 @@ def test_with_trace_rows_the_row_has_a_span_in_the_producers_trace(
     assert "one per published row (--trace-rows)" in relay.logs()
 
 
+def test_a_new_users_request_is_found_from_the_producer_to_the_consumer(
+    db_url, stream, start_relay, sink
+):
+    """As docs/events.md shows a new user: the producer's own SDK injects its request
+    span's context into the row; the relay runs with OTEL_EXPORTER_OTLP_ENDPOINT set
+    and --trace-rows; a consumer continues from the message it reads. The request's
+    trace id is on the producer's span, on the relay's spans (the publish span's
+    link and the row's span) and in the message."""
+    from opentelemetry import propagate  # noqa: PLC0415
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+        OTLPSpanExporter,
+    )
+    from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: PLC0415
+    from opentelemetry.trace import SpanKind  # noqa: PLC0415
+
+    shop = TracerProvider()
+    shop.add_span_processor(
+        SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{sink.endpoint}/v1/traces"))
+    )
+    tracer = shop.get_tracer("shop")
+    tracing_relay(start_relay, sink, trace_rows="true")
+    event = Event(stream.subject("order.paid"), "order-5", {"amount": 5})
+    with tracer.start_as_current_span("POST /orders") as request:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        insert_with(
+            db_url, event, traceparent=carrier["traceparent"], tracestate=carrier.get("tracestate")
+        )
+    request_trace = f"{request.get_span_context().trace_id:032x}"
+    request_span = f"{request.get_span_context().span_id:016x}"
+    wait_until(lambda: len(stream.read()) == 1, message="published")
+    message = stream.read()[0]
+    with tracer.start_as_current_span(
+        f"process {event.event_type}",
+        context=propagate.extract(message.headers),
+        kind=SpanKind.CONSUMER,
+    ) as handling:
+        assert message.envelope["traceparent"].split("-")[1] == request_trace
+    shop.shutdown()
+
+    publish = wait_until(
+        lambda: [s for s in sink.spans if (request_trace, request_span) in s.links],
+        message="the relay's publish span, linked to the request",
+    )[0]
+    [row_span] = wait_until(
+        lambda: [s for s in sink.spans if s.name == f"outbox {event.event_type}"],
+        message="the row's span",
+    )
+    assert (row_span.trace_id, row_span.parent_span_id) == (request_trace, request_span)
+    [producer] = [s for s in sink.spans if s.name == "POST /orders"]
+    assert producer.trace_id == request_trace
+    # The consumer continues the relay's hop: its parent is the publish span.
+    handling_context = handling.get_span_context()
+    [consumer] = [s for s in sink.spans if s.span_id == f"{handling_context.span_id:016x}"]
+    assert (consumer.trace_id, consumer.parent_span_id) == (publish.trace_id, publish.span_id)
+
+
 def test_a_failure_is_recorded_on_the_span(db_url, stream, start_relay, sink):
     tracing_relay(start_relay, sink)
     rogue = Event(stream.subject("order.paid"), "order-2", {"n": 1})

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from relay.errors import ConfigError
 from relay.headers import TraceContext
 from relay.tracing import (
+    LINKS_PER_SPAN,
     NoTracing,
     PublishedRow,
+    link_limit,
     links_to_make,
     sampled,
     start_tracing,
@@ -159,3 +162,37 @@ def test_trace_rows_without_tracing_says_so(monkeypatch, caplog):
         monkeypatch.delenv(name, raising=False)
     assert isinstance(start_tracing(row_spans=True), NoTracing)
     assert "--trace-rows is on but tracing is off" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("environ", "limit"),
+    [
+        ({}, LINKS_PER_SPAN),
+        ({"OTEL_SPAN_LINK_COUNT_LIMIT": "128"}, 128),
+        ({"OTEL_SPAN_LINK_COUNT_LIMIT": " 0 "}, 0),
+        ({"OTEL_SPAN_LINK_COUNT_LIMIT": "unset"}, None),
+    ],
+)
+def test_the_link_limit_is_the_sdks_variable_or_ours(environ, limit):
+    assert link_limit(environ) == limit
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "1.5"])
+def test_a_link_limit_the_sdk_would_refuse_stops_the_start_in_one_line(monkeypatch, value):
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", value)
+    with pytest.raises(ConfigError, match="OTEL_SPAN_LINK_COUNT_LIMIT: a non-negative integer"):
+        start_tracing({**ENDPOINT, "OTEL_SPAN_LINK_COUNT_LIMIT": value})
+
+
+def test_by_default_a_span_links_at_most_links_per_span(monkeypatch):
+    pytest.importorskip("opentelemetry.sdk")
+    monkeypatch.delenv("OTEL_SPAN_LINK_COUNT_LIMIT", raising=False)
+    producers = [context(n, "01") for n in range(LINKS_PER_SPAN + 8)]
+    with OtlpSink() as sink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+        tracing = start_tracing()
+        tracing.publish_span(["a.b"] * len(producers), producers).end({})
+        tracing.shutdown()
+    (span,) = sink.spans
+    assert len(span.links) == LINKS_PER_SPAN
+    assert span.attributes["outbox_relay.unlinked_producers"] == 8
