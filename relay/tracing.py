@@ -24,9 +24,11 @@ linked to the publish span. It costs a span a row, so it is off by default.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -125,6 +127,31 @@ def links_to_make(
     if limit is None or len(wanted) <= limit:
         return wanted, 0
     return wanted[:limit], len(wanted) - limit
+
+
+# W3C Trace Context list members (section 3.3.1): the SDK's TraceState parser logs a
+# warning for each member that is not one, which would be a line per row.
+_TRACESTATE_MEMBER = re.compile(
+    r"([a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+    r"=([\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e])"
+)
+_TRACESTATE_MEMBERS = 32
+
+
+@functools.lru_cache(maxsize=1024)  # rows of a producer share their tracestate
+def tracestate_pairs(header: str) -> tuple[tuple[str, str], ...] | None:
+    """The members of a tracestate header, or None when any is not a W3C list
+    member, a key repeats, or there are more than 32 (the whole header is dropped)."""
+    pairs: dict[str, str] = {}
+    for listed in header.split(","):
+        member = listed.strip(" \t")
+        if not member:
+            continue
+        match = _TRACESTATE_MEMBER.fullmatch(member)
+        if match is None or match[1] in pairs:
+            return None
+        pairs[match[1]] = match[2]
+    return tuple(pairs.items()) if len(pairs) <= _TRACESTATE_MEMBERS else None
 
 
 def link_limit(environ: Mapping[str, str]) -> int | None:
@@ -227,7 +254,7 @@ class _OtelTracing:
         self._link = Link
         self._in_context = set_span_in_context
         self._non_recording = NonRecordingSpan
-        self._trace_state = TraceState.from_header
+        self._trace_state = TraceState
         self._internal = SpanKind.INTERNAL
         log.info(
             "OpenTelemetry tracing on: a span per batch publish%s",
@@ -277,7 +304,8 @@ class _OtelTracing:
             if not sampled(row.producer) or not math.isfinite(row.created_at):
                 continue
             header = row.producer.tracestate
-            state = self._trace_state([header]) if header else None
+            pairs = tracestate_pairs(header) if header else None
+            state = self._trace_state(list(pairs)) if pairs else None
             span = self._tracer.start_span(
                 f"outbox {row.event_type}",
                 context=self._in_context(

@@ -15,6 +15,7 @@ from relay.tracing import (
     links_to_make,
     sampled,
     start_tracing,
+    tracestate_pairs,
     tracing_requested,
 )
 from relay_tools.otlpsink import OtlpSink
@@ -196,3 +197,37 @@ def test_by_default_a_span_links_at_most_links_per_span(monkeypatch):
     (span,) = sink.spans
     assert len(span.links) == LINKS_PER_SPAN
     assert span.attributes["outbox_relay.unlinked_producers"] == 8
+
+
+@pytest.mark.parametrize(
+    ("header", "pairs"),
+    [
+        ("shop=a1", (("shop", "a1"),)),
+        (
+            "rojo=00f067aa0ba902b7, congo=t61rcWkgMzE",
+            (("rojo", "00f067aa0ba902b7"), ("congo", "t61rcWkgMzE")),
+        ),
+        ("tenant@vendor=x,,", (("tenant@vendor", "x"),)),
+        ("Shop=a1", None),  # upper case key
+        ("shop=a,b", None),  # "b" is no member
+        ("shop=a1,shop=a2", None),  # a key twice
+        ("shop=", None),  # no value
+        (",".join(f"k{n}=v" for n in range(33)), None),  # more than 32
+    ],
+)
+def test_a_tracestate_is_taken_whole_or_dropped(header, pairs):
+    assert tracestate_pairs(header) == pairs
+
+
+def test_a_row_span_drops_a_bad_tracestate_without_a_warning(monkeypatch, caplog):
+    pytest.importorskip("opentelemetry.sdk")
+    producer = context(0, "01")._replace(tracestate="Not A Member")
+    with OtlpSink() as sink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", sink.endpoint)
+        tracing = start_tracing(row_spans=True)
+        span = tracing.publish_span(["a.b"], [producer])
+        span.end({}, [PublishedRow("row-0", "a.b", 1_700_000_000.0, producer)])
+        tracing.shutdown()
+    [row_span] = [s for s in sink.spans if s.name == "outbox a.b"]
+    assert row_span.trace_state == ""
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
