@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--features",
         action="store_true",
         help="instead: what --schemas, trace context and headers, and tracing on cost the "
-        "drain (about 5 minutes; tracing needs the otel extra)",
+        "drain (about 6 minutes; tracing needs the otel extra)",
     )
     bench.add_argument(
         "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
