@@ -260,11 +260,12 @@ class Relay:
                 self.config.table_display,
                 self.config.poll_interval,
             )
-        if not report.late_trigger_present:
+        for problem in report.late_guard_problems:
             log.warning(
-                "late-insert trigger is not installed on %s: every claim walks the claim "
-                "index from its first entry, which costs more the longer something holds "
-                "the vacuum horizon back (run `outbox-relay install`)",
+                "%s on %s: claims walk the claim index from its first entry while the "
+                "late-row triggers do not fire ALWAYS, which costs more the longer "
+                "something holds the vacuum horizon back (run `outbox-relay install`)",
+                problem,
                 self.config.table_display,
             )
         return True

@@ -23,6 +23,7 @@ import asyncio
 import datetime
 import json
 import logging
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from relay import aio
 from relay.broker import Broker, nats_auth_options
 from relay.config import Config, redact_nats_url
 from relay.database import connection_string
-from relay.envelope import MSG_ID_HEADER, Message, row_message
+from relay.envelope import MSG_ID_HEADER, Message, MessageSettings, message_for
 from relay.errors import RelayError, first_line
 from relay.headers import trace_context
 from relay.metrics import Metrics
@@ -407,10 +408,14 @@ def repair_message(row: OutboxRow, now: float, *, binary: bool = False) -> Messa
     too), under the repair's own message id. A row whose headers would now be
     refused was never published with them: it goes without."""
     trace = trace_context(row.traceparent, row.tracestate)
-    built = row_message(row, row.time or "", trace, binary=binary)
+    # No size limit: the row was published once, so it fit the server it went to.
+    settings = MessageSettings(max_payload=sys.maxsize, binary=binary)
+    built = message_for(row, settings, trace)
     if not isinstance(built, Message):
-        built = row_message(row._replace(headers=None), row.time or "", trace, binary=binary)
-    assert isinstance(built, Message)  # without the row's headers nothing can refuse it
+        built = message_for(row._replace(headers=None), settings, trace)
+    # Without the row's headers nothing but its time or subject can refuse it, and a
+    # row with either was never published.
+    assert isinstance(built, Message), built
     message = built
     return Message(
         message.subject,

@@ -30,14 +30,13 @@ from typing import Protocol
 from relay import failpoints
 from relay.config import Config
 from relay.database import Claim
-from relay.envelope import Message, row_message
+from relay.envelope import Message, MessageSettings, message_for
 from relay.failpoints import Failpoints
 from relay.headers import TraceContext, trace_context
 from relay.logs import RepeatedWarnings
 from relay.marks import Marks, decide_marks
-from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult, RowId
+from relay.model import Acked, Failed, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
-from relay.publishable import UNWRITABLE_TIME, rejection
 from relay.schemas import SchemaCheck
 from relay.streams import ATOMIC_BATCH_LIMIT, ATOMIC_HEADER_BYTES, MIN_BATCH_MESSAGES, PublishMode
 from relay.tracing import NoTracing, PublishedRow, Tracing
@@ -327,13 +326,20 @@ class Batch:
         results: dict[RowId, PublishResult] = {}
         messages: dict[RowId, Message] = {}
         max_payload = self._broker.max_payload
+        settings = MessageSettings(max_payload, self._binary, self._schema_check.problem)
         sendable: list[OutboxRow] = []
         stopped: set[str] = set()  # subjects with an earlier row that cannot go now
         for row in sorted(rows, key=lambda r: r.order_key):
             if row.subject in stopped:
                 continue  # behind a row rejected here: unsent, left as it is
-            built = self._message(row, max_payload, traces.get(row.id), hop)
+            trace = traces.get(row.id)
+            built = message_for(row, settings, trace, hop)
             if isinstance(built, Message):
+                if row.traceparent is not None and trace is None:
+                    self._warnings.warn(
+                        f"row {row.id}: traceparent {row.traceparent[:80]!r} is not W3C "
+                        "Trace Context: published without it"
+                    )
                 messages[row.id] = built
                 sendable.append(row)
             else:
@@ -359,33 +365,6 @@ class Batch:
         ):
             results.update(found)
         return results
-
-    def _message(
-        self,
-        row: OutboxRow,
-        max_payload: int,
-        trace: TraceContext | None,
-        hop: TraceContext | None,
-    ) -> Message | tuple[FailureReason, str]:
-        """The row's message, or the reason inside the row that it can never go
-        (``trace``: its trace context as read, None if it has none valid)."""
-        if row.time is None:
-            return UNWRITABLE_TIME
-        built = row_message(row, row.time, trace, hop, binary=self._binary)
-        if not isinstance(built, Message):
-            return built
-        if row.traceparent is not None and trace is None:
-            self._warnings.warn(
-                f"row {row.id}: traceparent {row.traceparent[:80]!r} is not W3C Trace "
-                "Context: published without it"
-            )
-        rejected = rejection(row.event_type, built.wire_size, max_payload)
-        if rejected is not None:
-            return rejected
-        problem = self._schema_check.problem(row.event_type, row.data)
-        if problem is not None:
-            return FailureReason.INVALID_DATA, problem
-        return built
 
     async def _publish_waves(
         self, rows: list[OutboxRow], messages: Mapping[RowId, Message], deadline: float

@@ -51,10 +51,28 @@ class ClaimSummary:
     """What a claim reports about itself (its last row)."""
 
     start_at: str | None  # the first live entry's created_at; None: no live row
-    start_seq: int | None
+    start_seq: int | None  # None with a start_at: a live row with no relay_seq
     statement_at: str  # the claim statement's time (statement_timestamp())
     xmin: int  # its snapshot's xmin
     xid: int | None  # its transaction's xid; None: it locked nothing
+    # The claim's guard was off: a late-row trigger did not fire ALWAYS, or the clock
+    # was behind the bound. The claim walked from the first entry.
+    guard_off: bool = False
+
+
+# Earlier claims kept for the bound. While a transaction that has written holds the
+# xmin, every claim adds one and none can be let go; past this many, every other
+# one is let go (the first and the last stay): any claim whose xid is older than a
+# later xmin gives a sound bound, only an earlier one.
+CLAIMS_KEPT = 1024
+
+
+def thinned(claims: deque[tuple[int, str]]) -> deque[tuple[int, str]]:
+    """Every other claim of ``claims``, keeping the first and the last."""
+    kept = list(claims)[::2]
+    if kept[-1] != claims[-1]:
+        kept.append(claims[-1])
+    return deque(kept)
 
 
 class ClaimStart:
@@ -63,26 +81,29 @@ class ClaimStart:
 
     def __init__(self) -> None:
         self._key = FROM_FIRST_ENTRY
-        self._disabled = False
-        # A rewind holds until a claim that walked from the first entry reports: a
-        # claim already in flight (from the old key) must not undo it.
+        # A rewind holds until a claim that walked from the first entry reports with
+        # its guard on: a claim already in flight (from the old key) must not undo it.
         self._rewind = False
         # (xid, statement time) of earlier claims, oldest first; xids only grow.
         self._claims: deque[tuple[int, str]] = deque()
+        # Why the last rewind happened, for the log (None: none pending).
+        self.rewound_for: str | None = None
 
     def key(self) -> StartKey:
-        return FROM_FIRST_ENTRY if self._disabled or self._rewind else self._key
-
-    def disable(self) -> None:
-        """Every claim from the first entry: the late-insert trigger is missing."""
-        self._disabled = True
+        return FROM_FIRST_ENTRY if self._rewind else self._key
 
     def observe(self, summary: ClaimSummary, used: StartKey) -> None:
         """Take the summary of a claim that ran from ``used``."""
-        if used == FROM_FIRST_ENTRY:
+        if summary.guard_off:
+            # Rows may have been written that no trigger flagged: walk from the first
+            # entry until a claim that did so finds the guard on again.
+            self.rewind("the late-row triggers do not fire, or the clock went back")
+        elif used == FROM_FIRST_ENTRY:
             self._rewind = False
         if summary.xid is not None:
             self._claims.append((summary.xid, summary.statement_at))
+            if len(self._claims) > CLAIMS_KEPT:
+                self._claims = thinned(self._claims)
         # The latest claim whose xid is older than every transaction still running.
         while len(self._claims) > 1 and self._claims[1][0] < summary.xmin:
             self._claims.popleft()
@@ -91,14 +112,26 @@ class ClaimStart:
             self._key = FROM_FIRST_ENTRY
         elif summary.start_at is None:
             self._key = StartKey("infinity", MAX_SEQ, bound)
+        elif summary.start_seq is None:
+            # A live row without its place among the inserts: the table's check
+            # (sql/install/004_late_rows.sql) is missing. No key can name it.
+            self._key = FROM_FIRST_ENTRY
+            self.rewind("a live row has no relay_seq")
         else:
-            assert summary.start_seq is not None
             self._key = StartKey(summary.start_at, summary.start_seq, bound)
 
-    def rewind(self) -> None:
+    def rewind(self, why: str = "a live row sits before the start key") -> None:
         """Walk from the first entry at the next claim (the sweep found a row before
-        the start key: something outside the model put it there)."""
+        the start key, or the claim's guard was off)."""
+        if not self._rewind:
+            self.rewound_for = why
         self._rewind = True
+
+    def take_rewind_reason(self) -> str | None:
+        """Why the claims began to walk from the first entry since this was last
+        asked (once per rewind, for the log), or None."""
+        why, self.rewound_for = self.rewound_for, None
+        return why
 
     @property
     def walks_from_first_entry(self) -> bool:

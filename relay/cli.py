@@ -374,7 +374,7 @@ def _validate(args: argparse.Namespace, config: Config) -> int:
         log.error("validate failed: %s", first_line(exc))
         return 2
     sys.stdout.write(report.as_json() + "\n" if args.json else report.summary())
-    return 1 if report.invalid else 0
+    return 1 if report.invalid_count else 0
 
 
 # The tools (relay_tools) are imported only by the commands that use them: they

@@ -139,9 +139,10 @@ async def translated(doing: str) -> AsyncIterator[None]:
 @dataclass(frozen=True)
 class SetupReport:
     trigger_present: bool
-    # Without the late-insert trigger every claim walks from the claim index's first
-    # entry (relay/claimstart.py).
-    late_trigger_present: bool
+    # What the start keys rest on and the table lacks (the late_guard query): while
+    # the late-row triggers do not fire, every claim walks from the claim index's
+    # first entry (relay/claimstart.py, the claim's guard).
+    late_guard_problems: list[str]
     # Rows found at the cap without relay_dead_at, or dead as an earlier version left
     # them (not holding their subject), and marked dead now (the adopt_dead query).
     adopted_dead: int
@@ -269,10 +270,20 @@ class Transaction:
             cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
             found = await cursor.fetchall()
         # The last row is the claim's summary (blocker null): where the next starts.
-        *found, (_, start_at, statement_at, xmin, xid, _, _, _, start_seq, *_) = found
+        *found, (_, start_at, statement_at, xmin, xid, guard_off, _, _, start_seq, *_) = found
         self._start.observe(
-            ClaimSummary(start_at, start_seq, statement_at, int(xmin), xid and int(xid)), start
+            ClaimSummary(
+                start_at, start_seq, statement_at, int(xmin), xid and int(xid), guard_off == "true"
+            ),
+            start,
         )
+        why = self._start.take_rewind_reason()
+        if why is not None:
+            log.warning(
+                "claims walk the claim index from its first entry until this is mended: %s "
+                "(`outbox-relay install` restores the triggers and the table's check)",
+                why,
+            )
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
         blockers = earliest_blockers(
             ((row[4], (row[7], row[8], row[1])) for row in found if row[0]), ours
@@ -460,19 +471,16 @@ class Database:
                     "relay_skipped_at, relay_late, traceparent, tracestate, headers): "
                     "run `outbox-relay install`"
                 )
-            present = []
-            for name in (self.names.trigger_name, self.names.late_trigger_name):
-                cursor = await aio.call(
-                    conn.execute,
-                    query(self.names, "trigger_present"),
-                    {"table": table_text, "trigger": name},
-                )
-                found = await aio.call(cursor.fetchone)
-                present.append(bool(found and found[0]))
-            trigger, late_trigger = present
-            if not late_trigger:
-                # Without it a late row could sit before the start key unseen.
-                self.claim_start.disable()
+            cursor = await aio.call(
+                conn.execute,
+                query(self.names, "trigger_present"),
+                {"table": table_text, "trigger": self.names.trigger_name},
+            )
+            found = await aio.call(cursor.fetchone)
+            trigger = bool(found and found[0])
+            cursor = await aio.call(conn.execute, query(self.names, "late_guard"))
+            found = await aio.call(cursor.fetchone)
+            late_guard_problems = list(found[0]) if found else []
             cursor = await aio.call(
                 conn.execute,
                 query(self.names, "adopt_dead"),
@@ -480,7 +488,7 @@ class Database:
             )
             adopted = cursor.rowcount
         return SetupReport(
-            trigger_present=trigger, late_trigger_present=late_trigger, adopted_dead=adopted
+            trigger_present=trigger, late_guard_problems=late_guard_problems, adopted_dead=adopted
         )
 
     async def notify(self, channel: str, payload: str) -> None:

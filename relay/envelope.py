@@ -1,13 +1,17 @@
-"""Where a message is built: the CloudEvents 1.0 JSON envelope and its headers."""
+"""Where a message is built: from a claimed row to the CloudEvents 1.0 message it
+is published as, or the reason inside the row that it never can be
+(:func:`message_for`, the one door; the rest are its parts)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from json.encoder import encode_basestring
 from typing import NamedTuple
 
 from relay.headers import TraceContext, row_headers
-from relay.model import FailureReason, OutboxRow
+from relay.model import FailureReason, OutboxRow, Rejection
+from relay.publishable import UNWRITABLE_TIME, size_problem, subject_problem
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 
@@ -26,13 +30,59 @@ class Message(NamedTuple):
 
     @property
     def wire_size(self) -> int:
-        """Bytes the server counts against max_payload: headers block plus body."""
+        """Bytes the server counts against max_payload: headers block plus body, in
+        UTF-8 (a header value may be any text but control characters)."""
         # NATS/1.0\r\n, one "Key: Value\r\n" per header, then a blank line. A loop, not
         # sum() over a generator: this runs once per row.
         size = 12 + len(self.body)
         for key, value in self.headers.items():
-            size += len(key) + len(value) + 4
+            size += len(key) + 4 + (len(value) if value.isascii() else len(value.encode()))
         return size
+
+
+@dataclass(frozen=True, slots=True)
+class MessageSettings:
+    """What a message depends on besides its row: the server's max_payload, the
+    content mode, and the data's check against its schema (event type, data as
+    jsonb's text) -> why it is invalid, or None (relay/schemas.py)."""
+
+    max_payload: int
+    binary: bool = False
+    data_problem: Callable[[str, str], str | None] | None = None
+
+
+def message_for(
+    row: OutboxRow,
+    settings: MessageSettings,
+    trace: TraceContext | None = None,
+    hop: TraceContext | None = None,
+) -> Message | Rejection:
+    """The message ``row`` is published as, or why it never can be: a time RFC 3339
+    cannot write, headers NATS cannot carry or that would make the server act, a
+    subject that is not a publish subject, more UTF-8 bytes than max_payload
+    (headers included), data that fails its schema.
+
+    ``trace`` is the row's trace context as :func:`relay.headers.trace_context` read
+    it (None when it has none valid: the message goes without); ``hop``, the relay's
+    own span's context, which the ``traceparent`` header then carries."""
+    if row.time is None:
+        return UNWRITABLE_TIME
+    extra, problem = row_headers(row.headers)
+    if problem is not None:
+        return Rejection(FailureReason.INVALID_HEADERS, problem)
+    problem = subject_problem(row.event_type)
+    if problem is not None:
+        return Rejection(FailureReason.INVALID_SUBJECT, f"{problem}: {row.event_type[:200]!r}")
+    build = build_binary_message if settings.binary else build_message
+    message = build(row, row.time, trace, extra, hop)
+    problem = size_problem(message.wire_size, settings.max_payload)
+    if problem is not None:
+        return Rejection(FailureReason.TOO_LARGE, problem)
+    if settings.data_problem is not None:
+        problem = settings.data_problem(row.event_type, row.data)
+        if problem is not None:
+            return Rejection(FailureReason.INVALID_DATA, problem)
+    return message
 
 
 def build_message(
@@ -55,7 +105,7 @@ def build_message(
     row_id = row.id
     extension = ""
     if trace is not None:
-        extension = ',"traceparent":"' + trace.traceparent + '"'
+        extension = ',"traceparent":' + _quote(trace.traceparent)
         if trace.tracestate:
             extension += ',"tracestate":' + _quote(trace.tracestate)
     # ``data`` arrives as jsonb's own text rendering, which is valid JSON: splice it in
@@ -95,27 +145,6 @@ def _headers(
     return headers
 
 
-def row_message(
-    row: OutboxRow,
-    time: str,
-    trace: TraceContext | None,
-    hop: TraceContext | None = None,
-    *,
-    binary: bool = False,
-) -> Message | tuple[FailureReason, str]:
-    """The message for ``row`` with what the row adds to it (relay/headers.py), or,
-    when its headers cannot be sent, the failure that makes it dead. ``trace`` is the
-    row's trace context as :func:`relay.headers.trace_context` read it (None when it
-    has none, or none that is valid: the message then goes without).
-    ``binary``: the CloudEvents binary content mode (:func:`build_binary_message`)."""
-    extra, problem = row_headers(row.headers)
-    if problem is not None:
-        return FailureReason.INVALID_HEADERS, problem
-    if binary:
-        return build_binary_message(row, time, trace, extra, hop)
-    return build_message(row, time, trace, extra, hop)
-
-
 # CloudEvents HTTP binding 3.1.3.2, which the NATS binding's binary mode follows: a
 # header value percent-encodes space, '"', '%' and everything outside printable ASCII
 # (as UTF-8 bytes).
@@ -153,7 +182,7 @@ def build_binary_message(
         }
     )
     if trace is not None:
-        headers["ce-traceparent"] = trace.traceparent
+        headers["ce-traceparent"] = percent_encode(trace.traceparent)
         if trace.tracestate:
             headers["ce-tracestate"] = percent_encode(trace.tracestate)
     return Message(row.event_type, row.data.encode(), headers)

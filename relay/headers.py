@@ -16,13 +16,15 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-import orjson
+from relay.jsontext import UnreadableJson, parse_json
 
 # version "00": exactly this; a later version (not "ff") may append fields (W3C
 # Trace Context section 3.2.4), which this reader ignores after the first four.
 # Neither id may be all zeros. One expression: this runs once per traced row.
 _IDS_AND_FLAGS = r"-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}"
 _TRACEPARENT = re.compile(rf"00{_IDS_AND_FLAGS}|(?!00|ff)[0-9a-f]{{2}}{_IDS_AND_FLAGS}(-.*)?")
+# version-traceid-parentid-flags: 2 + 1 + 32 + 1 + 16 + 1 + 2 characters.
+TRACEPARENT_LENGTH = 55
 # tracestate: at most 32 list members; this is its longest sane size (W3C: 512
 # characters is what a vendor may rely on).
 TRACESTATE_LIMIT = 512
@@ -51,6 +53,9 @@ def trace_context(traceparent: str | None, tracestate: str | None) -> TraceConte
     value = traceparent.strip()
     if _TRACEPARENT.fullmatch(value) is None:
         return None
+    # A later version's fields after the first four are not read, and not passed on:
+    # what goes on the message is hex digits and dashes alone.
+    value = value[:TRACEPARENT_LENGTH]
     state = tracestate.strip() if tracestate else None
     # Printable ASCII only (0x20-0x7e): what the header's list members are made of.
     if state and (len(state) > TRACESTATE_LIMIT or not (state.isascii() and state.isprintable())):
@@ -58,12 +63,26 @@ def trace_context(traceparent: str | None, tracestate: str | None) -> TraceConte
     return TraceContext(value, state or None)
 
 
-@functools.lru_cache(maxsize=4096)  # rows repeat their headers (a tenant, a priority)
+# Rows repeat their headers (a tenant, a priority): texts up to this long are read
+# once and kept, at most HEADERS_CACHED of them, so the cache holds a few MB at most.
+HEADERS_CACHED = 4096
+HEADERS_CACHED_TEXT = 1024
+
+
 def row_headers(text: str | None) -> tuple[Mapping[str, str], str | None]:
     """The row's own headers (its ``headers`` column as JSON text), and why they
     cannot be sent when they cannot (then the row goes dead). Shared between rows:
     never changed by a caller."""
-    found = None if text is None else orjson.loads(text)  # jsonb's own text: valid JSON
+    if text is not None and len(text) > HEADERS_CACHED_TEXT:
+        return _read_headers(text)
+    return _cached_headers(text)
+
+
+def _read_headers(text: str | None) -> tuple[Mapping[str, str], str | None]:
+    try:
+        found = None if text is None else parse_json(text)
+    except UnreadableJson as exc:
+        return {}, f"headers: a JSON object of strings is expected: {exc}"
     if found is None:
         return {}, None
     if not isinstance(found, dict):
@@ -96,3 +115,6 @@ def header_problem(name: str, value: object) -> str | None:
     if not _VALUE.fullmatch(value):
         return f"{shown}: the value holds a line break or a control character"
     return None
+
+
+_cached_headers = functools.lru_cache(maxsize=HEADERS_CACHED)(_read_headers)

@@ -111,6 +111,14 @@ _BROKER_FAULTS = frozenset(
 )
 
 
+class Rejection(NamedTuple):
+    """Why a row can never be published as it is (a reason inside the row): it goes
+    dead with ``detail`` as its ``relay_last_error``."""
+
+    reason: FailureReason
+    detail: str
+
+
 @dataclass(frozen=True, slots=True)
 class Acked:
     """The broker stored the message (``duplicate`` if it already had it)."""

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 
-from relay.model import FailureReason
+from relay.model import FailureReason, Rejection
 
 _WHITESPACE = frozenset(" \t\r\n\f\v")
 
 # The claim query renders a row's time as RFC 3339 text, or null when RFC 3339
 # cannot write it (Postgres accepts infinities and years past 9999).
-UNWRITABLE_TIME = (
+UNWRITABLE_TIME = Rejection(
     FailureReason.INVALID_TIME,
     "time cannot be written in RFC 3339 (infinite, or outside the years 1-9999)",
 )
@@ -42,17 +42,4 @@ def subject_problem(subject: str) -> str | None:
 def size_problem(message_bytes: int, max_payload: int) -> str | None:
     if message_bytes > max_payload:
         return f"message is {message_bytes} bytes, over the server's max_payload {max_payload}"
-    return None
-
-
-def rejection(
-    subject: str, message_bytes: int, max_payload: int
-) -> tuple[FailureReason, str] | None:
-    """The permanent failure for a message, or None if it may be published."""
-    problem = subject_problem(subject)
-    if problem is not None:
-        return FailureReason.INVALID_SUBJECT, f"{problem}: {subject!r}"
-    problem = size_problem(message_bytes, max_payload)
-    if problem is not None:
-        return FailureReason.TOO_LARGE, problem
     return None

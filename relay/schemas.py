@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema_rs
-import orjson
 
 from relay.errors import SetupError
+from relay.jsontext import UnreadableJson, parse_json
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +60,16 @@ class Schemas:
         for path in sorted(folder.glob("*" + SCHEMA_SUFFIX)):
             try:
                 documents[path.name[: -len(SCHEMA_SUFFIX)]] = json.loads(path.read_text())
-            except (OSError, UnicodeDecodeError, ValueError) as exc:
-                raise SetupError(f"--schemas: {path.name}: not readable as JSON: {exc}") from None
-        registry = _registry(documents)
+            except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+                reason = exc if str(exc) else exc.__class__.__name__
+                raise SetupError(
+                    f"--schemas: {path.name}: not readable as JSON: {reason}"
+                ) from None
+        try:
+            registry = _registry(documents)
+        except (jsonschema_rs.ReferencingError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise SetupError(f"--schemas: a schema's $id cannot be used: {first}") from None
         validators: dict[str, Any] = {}
         for event_type, schema in documents.items():
             try:
@@ -89,9 +96,23 @@ class Schemas:
                     "(--schemas-required)"
                 )
             return None
-        if validator.is_valid(data):
-            return None
-        return _reason(next(iter(validator.iter_errors(data))))
+        try:
+            if validator.is_valid(data):
+                return None
+            return _reason(next(iter(validator.iter_errors(data))))
+        except (ValueError, RecursionError) as exc:  # what the validator cannot take in
+            return f"schema: the data cannot be checked: {str(exc)[:200]}"
+
+    def text_problem(self, event_type: str, text: str) -> str | None:
+        """:meth:`problem` for data as jsonb renders it (the claim's and `validate`'s
+        text): data that cannot be read is invalid too, with the reason."""
+        if event_type not in self.validators:
+            return self.problem(event_type, None)  # no schema: the data is not read
+        try:
+            data = parse_json(text)
+        except UnreadableJson as exc:
+            return f"schema: the data {exc}"
+        return self.problem(event_type, data)
 
     def covers(self, event_type: str) -> bool:
         return event_type in self.validators
@@ -133,7 +154,7 @@ class SchemaCheck:
         if not schemas.covers(event_type) and not schemas.required:
             self._on_unchecked(event_type)
             return None
-        problem = schemas.problem(event_type, orjson.loads(data_text))
+        problem = schemas.text_problem(event_type, data_text)
         if problem is not None:
             self._on_rejected(event_type)
         return problem

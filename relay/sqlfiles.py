@@ -110,6 +110,9 @@ class Names:
     notify_trigger: sql.Identifier
     late_function: sql.Identifier
     late_trigger: sql.Identifier
+    old_late_trigger: sql.Identifier
+    revive_trigger: sql.Identifier
+    seq_check: sql.Identifier
     late_idx: sql.Identifier
     late_idx_qualified: sql.Identifier
     channel: sql.Literal
@@ -117,6 +120,7 @@ class Names:
     idle_lock_key2: sql.Literal
     trigger_name: str
     late_trigger_name: str
+    revive_trigger_name: str
     # The same objects' names as text literals, for catalog checks (to_regclass).
     catalog_names: dict[str, sql.Literal]
 
@@ -152,14 +156,19 @@ class Names:
             notify_function=sql.Identifier(*schema, f"{base}_relay_notify"),
             notify_trigger=sql.Identifier(f"{base}_relay_notify"),
             late_function=sql.Identifier(*schema, f"{base}_relay_late"),
-            late_trigger=sql.Identifier(f"{base}_relay_late"),
+            # "zz_": row triggers fire in name order, and these must see the row last.
+            late_trigger=sql.Identifier(f"zz_{base}_relay_late"),
+            old_late_trigger=sql.Identifier(f"{base}_relay_late"),
+            revive_trigger=sql.Identifier(f"zz_{base}_relay_revived"),
+            seq_check=sql.Identifier(f"{base}_relay_seq_set"),
             late_idx=sql.Identifier(f"{base}_relay_late_idx"),
             late_idx_qualified=sql.Identifier(*schema, f"{base}_relay_late_idx"),
             channel=sql.Literal(config.channel),
             idle_lock_key1=sql.Literal(IDLE_LOCK_CLASS),
             idle_lock_key2=sql.Literal(idle_lock_key(config)),
             trigger_name=f"{base}_relay_notify",
-            late_trigger_name=f"{base}_relay_late",
+            late_trigger_name=f"zz_{base}_relay_late",
+            revive_trigger_name=f"zz_{base}_relay_revived",
             catalog_names={
                 "table": sql.Literal(_quoted(*config.table)),
                 "unpublished_idx": sql.Literal(_quoted(*schema, f"{base}_unpublished_idx")),
@@ -170,6 +179,8 @@ class Names:
                 "old_retry_idx": sql.Literal(_quoted(*schema, f"{base}_relay_retry_idx")),
                 "published_idx": sql.Literal(_quoted(*schema, f"{base}_relay_published_idx")),
                 "late_idx": sql.Literal(_quoted(*schema, f"{base}_relay_late_idx")),
+                "old_late_trigger": sql.Literal(f"{base}_relay_late"),
+                "seq_check": sql.Literal(f"{base}_relay_seq_set"),
             },
         )
 
@@ -189,6 +200,12 @@ class Names:
             late_trigger_name=sql.Literal(self.late_trigger_name),
             late_function=self.late_function,
             late_trigger=self.late_trigger,
+            old_late_trigger=self.old_late_trigger,
+            old_late_trigger_name=self.catalog_names["old_late_trigger"],
+            revive_trigger=self.revive_trigger,
+            revive_trigger_name=sql.Literal(self.revive_trigger_name),
+            seq_check=self.seq_check,
+            seq_check_name=self.catalog_names["seq_check"],
             late_idx_name=self.catalog_names["late_idx"],
             late_idx=self.late_idx,
             late_idx_qualified=self.late_idx_qualified,

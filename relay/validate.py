@@ -22,23 +22,41 @@ from relay.sqlfiles import Names, query
 FETCH_ROWS = 2_000
 
 
+# Invalid rows the report lists one by one; past these it only counts them, so a
+# table of millions of invalid rows is checked in bounded memory.
+INVALID_LISTED = 1_000
+
+
 @dataclass
 class ValidationReport:
     checked: int = 0
     invalid: list[dict[str, str]] = field(default_factory=list)  # id, type, reason
+    invalid_count: int = 0  # all of them, listed or not
     no_schema: dict[str, int] = field(default_factory=dict)  # event type: rows
+
+    def add_invalid(self, row_id: str, event_type: str, reason: str) -> None:
+        self.invalid_count += 1
+        if len(self.invalid) < INVALID_LISTED:
+            self.invalid.append({"id": row_id, "type": event_type, "reason": reason})
 
     def as_json(self) -> str:
         return json.dumps(
-            {"checked": self.checked, "invalid": self.invalid, "no_schema": self.no_schema},
+            {
+                "checked": self.checked,
+                "invalid_count": self.invalid_count,
+                "invalid": self.invalid,
+                "no_schema": self.no_schema,
+            },
             indent=2,
         )
 
     def summary(self) -> str:
         lines = [f"{r['id']}  {r['type']}  {r['reason']}" for r in self.invalid]
+        if self.invalid_count > len(self.invalid):
+            lines.append(f"... and {self.invalid_count - len(self.invalid)} more invalid rows")
         unchecked = sum(self.no_schema.values())
         lines.append(
-            f"checked {self.checked} rows: {len(self.invalid)} invalid, {unchecked} of "
+            f"checked {self.checked} rows: {self.invalid_count} invalid, {unchecked} of "
             f"{len(self.no_schema)} event types without a schema"
             + (f" ({', '.join(sorted(self.no_schema))})" if self.no_schema else "")
         )
@@ -46,14 +64,15 @@ class ValidationReport:
 
 
 def check_rows(rows: Any, schemas: Schemas, report: ValidationReport) -> None:
-    """Check (id, event_type, data) rows, data parsed, into ``report``."""
+    """Check (id, event_type, data) rows into ``report``, data as jsonb renders it,
+    read as the relay's batches read it (relay/jsontext.py)."""
     for row_id, event_type, data in rows:
         report.checked += 1
         if not schemas.covers(event_type):
             report.no_schema[event_type] = report.no_schema.get(event_type, 0) + 1
-        problem = schemas.problem(event_type, data)
+        problem = schemas.text_problem(event_type, data)
         if problem is not None:
-            report.invalid.append({"id": row_id, "type": event_type, "reason": problem})
+            report.add_invalid(row_id, event_type, problem)
 
 
 def validate_table(

@@ -30,6 +30,15 @@ and not exists (
 -- them apart say "relay_skipped_at is null" beside it.
 ({row}.attempts >= %(max_attempts)s or {row}.relay_dead_at is not null)
 
+-- fragment: exact_time
+-- A timestamptz ({row}, a column name) as text that Postgres reads back exactly
+-- whatever the session's DateStyle and TimeZone ("SQL, DMY" with Asia/Kolkata
+-- writes "IST", which it reads back as Israel's time): UTC, ISO order, microseconds,
+-- the era; infinities as themselves.
+case when isfinite({row})
+     then to_char({row} at time zone 'UTC', 'YYYY-MM-DD HH24:MI:SS.US"+00" BC')
+     else {row}::text end
+
 -- fragment: rfc3339_time
 -- The envelope's time ({row} is its alias) as RFC 3339 text in UTC, or null where
 -- RFC 3339 cannot write it (infinite, or outside years 1-9999).
@@ -76,9 +85,22 @@ end
 -- outside years 1-9999), ``created_at`` as epoch seconds (float8 keeps microsecond
 -- order near now, and turns +-infinity into +-inf).
 -- Fences: each CTE is "materialized" so it runs once, not inlined into its users.
-with walk_from as materialized (
+with guard as materialized (
+  -- Whether the start key may be trusted now: both of the late-row triggers fire
+  -- ALWAYS (sql/install/004_late_rows.sql; disabled, they flag nothing), and the
+  -- clock has not gone back behind the bound (rows committed since may carry
+  -- created_at values before it). Otherwise this claim walks from the first entry.
+  select (select count(*) from pg_trigger
+           where tgrelid = {table_name}::regclass
+             and tgname in ({late_trigger_name}, {revive_trigger_name})
+             and tgenabled = 'A') < 2
+         or statement_timestamp() < {bound_at}::timestamptz as off
+),
+walk_from as materialized (
   select k.created_at, k.relay_seq
     from (select {start_at}::timestamptz, {start_seq}::bigint
+          union all
+          select '-infinity'::timestamptz, -9223372036854775808 where (select off from guard)
           union all
           select {bound_at}::timestamptz - {late_insert}, -9223372036854775808
           union all
@@ -174,12 +196,13 @@ select true, a.id::text, null, null, a.subject, null, null,
    and a.id not in (select id from claimed)
 union all
 -- The summary, last, so that the claim's row locks (which give this transaction its
--- xid) were taken before it is read: the start (its created_at as text, exact;
--- null when no live row was found), this statement's time, the snapshot's xmin, and
--- this transaction's xid (null when it claimed nothing).
-select null, (select created_at from start)::text, statement_timestamp()::text,
+-- xid) were taken before it is read: the start (its created_at as exact text; null
+-- when no live row was found), this statement's time, the snapshot's xmin, this
+-- transaction's xid (null when it claimed nothing), and whether the guard was off.
+select null, (select {exact_time(created_at)} from start),
+       (select {exact_time(t)} from (select statement_timestamp()) n (t)),
        pg_snapshot_xmin(pg_current_snapshot())::text,
-       pg_current_xact_id_if_assigned()::text, null, null, null,
+       pg_current_xact_id_if_assigned()::text, (select off from guard)::text, null, null,
        (select relay_seq from start), null, null, null, null;
 
 -- name: mark_published
@@ -233,7 +256,8 @@ deleted as (
    where t.id = any (array(select id from spent))
   returning t.published_at
 )
-select count(*), max(published_at)::text from deleted;
+select count(*), (select {exact_time(m)} from (select max(published_at) from deleted) d (m))
+  from deleted;
 
 -- name: relay_columns
 select count(*) from pg_attribute
@@ -245,6 +269,29 @@ select count(*) from pg_attribute
 -- name: trigger_present
 select count(*) from pg_trigger
  where tgrelid = %(table)s::regclass and tgname = %(trigger)s and not tgisinternal;
+
+-- name: late_guard
+-- What the start keys rest on and the table lacks (an empty array: nothing), read
+-- at start (sql/install/004_late_rows.sql says why each matters). Each claim checks
+-- the triggers again itself (its guard).
+select array_remove(array[
+  case when (select count(*) from pg_trigger
+              where tgrelid = {table_name}::regclass
+                and tgname in ({late_trigger_name}, {revive_trigger_name})
+                and tgenabled = 'A') < 2
+       then 'the late-row triggers are missing or do not fire ALWAYS' end,
+  case when not exists (select 1 from pg_constraint
+                         where conrelid = {table_name}::regclass and conname = {seq_check_name})
+       then 'the check that every live row has a relay_seq is missing' end,
+  -- tgtype: 1 row, 2 before, 4 insert, 16 update (pg_trigger.h).
+  (select 'the BEFORE row trigger ' || quote_ident(tgname)
+          || ' fires after the late-row triggers and may change created_at unseen'
+     from pg_trigger
+    where tgrelid = {table_name}::regclass and not tgisinternal
+      and tgtype & 3 = 3 and tgtype & 20 <> 0 and tgname > {late_trigger_name}
+      and tgname <> {revive_trigger_name}
+    order by tgname
+    limit 1)], null);
 
 -- name: backlog
 -- Table-wide gauges. Reads only the partial index of unpublished rows (and their
@@ -464,6 +511,6 @@ select exists (
 -- `outbox-relay validate`: every row written since %(since)s (all rows when null),
 -- published or not, read through a server-side cursor in table order (no sort, no
 -- lock): a table of millions is never held at once.
-select id::text, event_type, data
+select id::text, event_type, data::text
   from {table}
  where %(since)s::timestamptz is null or created_at >= %(since)s::timestamptz;

@@ -6,6 +6,9 @@
 drop trigger if exists {notify_trigger} on {table};
 drop function if exists {notify_function}();
 drop trigger if exists {late_trigger} on {table};
+drop trigger if exists {old_late_trigger} on {table};
+drop trigger if exists {revive_trigger} on {table};
+alter table {table} drop constraint if exists {seq_check};
 drop function if exists {late_function}();
 drop index if exists {late_idx_qualified};
 drop index if exists {claim_idx_qualified};

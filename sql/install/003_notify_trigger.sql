@@ -43,5 +43,12 @@ begin
       for each statement
       execute function {notify_function}();
   end if;
+  -- ALWAYS: rows written under session_replication_role = replica (logical
+  -- replication's apply, pg_restore) wake a sleeping relay too.
+  if exists (select 1 from pg_trigger
+              where tgrelid = {table_name}::regclass and tgname = {trigger_name}
+                and tgenabled <> 'A') then
+    alter table {table} enable always trigger {notify_trigger};
+  end if;
 end
 $$;

@@ -1,4 +1,4 @@
--- Rows inserted long after their created_at, flagged so that a claim finds them.
+-- Rows the claims' start keys may have passed, flagged so that a claim finds them.
 --
 -- A claim walks the claim index from a start key, not from its first entry (see
 -- the claim in sql/queries.sql): while something holds the MVCC horizon back, the
@@ -6,31 +6,105 @@
 -- them cost every claim more the longer the horizon was held. The start key is no
 -- later than the earliest created_at a row committing now can have, on the
 -- assumption that a row is inserted within {late_insert} of its created_at
--- (now(), the transaction's start, by default). A row inserted later than that (a
--- transaction that read for a while before it wrote, or a created_at given
--- explicitly) is flagged here, and the claim starts at the earliest flagged row
--- that is still live. Other rows pay only for the WHEN test: the function runs
--- only for a late row. (A column default flagging rows inserted long after their
--- transaction began cost producers as much, and missed an old created_at given
--- explicitly: docs/performance.md.)
+-- (now(), the transaction's start, by default), read after its transaction took
+-- its xid. Rows outside that assumption are flagged (relay_late) here, and the
+-- claim starts at the earliest flagged row that is still live:
+--
+-- * inserted later than that after its created_at (a transaction that read for a
+--   while before it wrote, or a created_at given explicitly);
+-- * put back in the claim index by an UPDATE (published_at or relay_dead_at set
+--   back to null by hand, as an older `requeue` did), or moved in it (created_at
+--   or relay_seq changed on a live row).
+--
+-- The same function gives a row with a null relay_seq (an explicit null, a COPY or
+-- restore that carries the column) its number, so every live row has one (the
+-- check below holds it).
+--
+-- The assumptions hold only while these triggers fire, so:
+-- * they fire ALWAYS, also under session_replication_role = replica (logical
+--   replication's apply, pg_restore, some ETL tools), where ordinary triggers do not;
+-- * their names start with "zz_": row triggers fire in name order, and a service's
+--   own BEFORE trigger that sorts later could change created_at after the test;
+-- * the WHEN test takes the transaction's xid (pg_current_xact_id) before it reads
+--   the clock: a service trigger that waits before the insert takes its xid would
+--   otherwise put the clock reading before the xid;
+-- * every claim checks that both fire ALWAYS, and walks from the first entry
+--   while they do not (the claim's "guard"), and the relay checks at start.
+--
+-- On-time rows pay only for the WHEN test: the function runs for a late row alone.
 create or replace function {late_function}() returns trigger
 language plpgsql as $$
 begin
-  new.relay_late := true;
+  if new.relay_seq is null then
+    new.relay_seq := nextval({seq_name}::regclass);
+  end if;
+  if tg_op = 'UPDATE' or new.created_at < clock_timestamp() - {late_insert} then
+    new.relay_late := true;
+  end if;
   return new;
 end
 $$;
 
 do $$
 begin
+  -- Installs before this one named the insert trigger without the "zz_" prefix.
+  if exists (select 1 from pg_trigger
+              where tgrelid = {table_name}::regclass and tgname = {old_late_trigger_name}
+                and not tgisinternal) then
+    drop trigger {old_late_trigger} on {table};
+  end if;
+
   if not exists (select 1 from pg_trigger
                   where tgrelid = {table_name}::regclass and tgname = {late_trigger_name}
                     and not tgisinternal) then
     create trigger {late_trigger}
       before insert on {table}
       for each row
-      when (new.created_at < clock_timestamp() - {late_insert})
+      when (new.relay_seq is null
+            or (pg_current_xact_id() is not null
+                and new.created_at < clock_timestamp() - {late_insert}))
       execute function {late_function}();
+  end if;
+
+  if not exists (select 1 from pg_trigger
+                  where tgrelid = {table_name}::regclass and tgname = {revive_trigger_name}
+                    and not tgisinternal) then
+    create trigger {revive_trigger}
+      before update on {table}
+      for each row
+      when (coalesce(new.published_at, new.relay_dead_at) is null
+            and (coalesce(old.published_at, old.relay_dead_at) is not null
+                 or new.created_at is distinct from old.created_at
+                 or new.relay_seq is distinct from old.relay_seq))
+      execute function {late_function}();
+  end if;
+
+  if exists (select 1 from pg_trigger
+              where tgrelid = {table_name}::regclass
+                and tgname in ({late_trigger_name}, {revive_trigger_name})
+                and tgenabled <> 'A') then
+    alter table {table} enable always trigger {late_trigger};
+    alter table {table} enable always trigger {revive_trigger};
+  end if;
+
+  -- Live rows left without a number (written while an earlier install's trigger
+  -- did not fire), numbered in the order earlier relays published them in, and
+  -- flagged late: reads the unpublished rows once (the contract's index).
+  update {table} t
+     set relay_seq = o.seq, relay_late = true
+    from (select id, nextval({seq_name}::regclass) as seq
+            from (select id from {table}
+                   where published_at is null and relay_seq is null
+                   order by created_at, id) unnumbered) o
+   where t.id = o.id;
+
+  -- A live row always has its place among the inserts. NOT VALID: rows already there
+  -- are not read (published rows from before the first install have none); every
+  -- insert and update from now on is checked, whatever the session's replication role.
+  if not exists (select 1 from pg_constraint
+                  where conrelid = {table_name}::regclass and conname = {seq_check_name}) then
+    alter table {table} add constraint {seq_check}
+      check (relay_seq is not null or published_at is not null) not valid;
   end if;
 
   -- The live late rows, in claim order: few, so the claim's look at them is cheap.

@@ -21,7 +21,7 @@ from relay.batchreplies import (
     decode,
 )
 from relay.config import Config
-from relay.envelope import Message, row_message
+from relay.envelope import Message, MessageSettings, message_for
 from relay.failpoints import Failpoints
 from relay.headers import trace_context
 from relay.inboxes import atomic_batch_headers, batch_outcome, fast_batch_reply, hpub_frame
@@ -456,8 +456,8 @@ def test_a_traced_rows_frame_is_what_nats_pys_publish_writes():
         tracestate="shop=a1",
         headers='{"x-tenant": " acme ", "x-priority": "high"}',
     )
-    message = row_message(
-        source, "2026-12-05T00:00:00Z", trace_context(source.traceparent, source.tracestate)
+    message = message_for(
+        source, MessageSettings(1 << 20), trace_context(source.traceparent, source.tracestate)
     )
     assert isinstance(message, Message)
     assert message.headers["x-tenant"] == "acme"

@@ -69,7 +69,7 @@ def test_a_claim_that_locked_nothing_adds_no_bound():
     assert start.key() == FROM_FIRST_ENTRY
 
 
-def test_rewind_and_disable_walk_from_the_first_entry():
+def test_a_rewind_walks_from_the_first_entry_until_such_a_claim_reports():
     start = ClaimStart()
     claim(start, summary("t1", xmin=100, xid=100, at="s1"))
     claim(start, summary("t2", xmin=101, xid=105, at="s2"))
@@ -81,6 +81,3 @@ def test_rewind_and_disable_walk_from_the_first_entry():
     assert start.key() == FROM_FIRST_ENTRY
     claim(start, summary("t4", xmin=108, xid=109, at="s4"))  # from the first entry
     assert start.key() == StartKey("t4", 7, "s3")
-    start.disable()
-    assert start.key() == FROM_FIRST_ENTRY
-    assert start.walks_from_first_entry

@@ -25,7 +25,7 @@ from relay.ordering import (
     held_behind_blockers,
     unsettled_subjects,
 )
-from relay.publishable import rejection, size_problem, subject_problem
+from relay.publishable import size_problem, subject_problem
 from relay.replies import PERMISSION_DENIED, denied_subject, parse_ack
 from relay.scheduler import linger_for, sleep_retry_pause
 from relay.streams import short_duplicate_windows
@@ -123,12 +123,6 @@ def test_subject_grammar(subject, problem):
 def test_size_limit_is_inclusive():
     assert size_problem(1024, 1024) is None
     assert "1025 bytes" in (size_problem(1025, 1024) or "")
-
-
-def test_rejection_reasons():
-    assert rejection("a b", 10, 100)[0] is FailureReason.INVALID_SUBJECT
-    assert rejection("a.b", 101, 100)[0] is FailureReason.TOO_LARGE
-    assert rejection("a.b", 100, 100) is None
 
 
 class TestDuplicateWindows:

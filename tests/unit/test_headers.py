@@ -10,22 +10,23 @@ import pytest
 from relay.envelope import (
     MSG_ID_HEADER,
     Message,
+    MessageSettings,
     build_binary_message,
     build_message,
+    message_for,
     percent_encode,
-    row_message,
 )
 from relay.headers import TRACESTATE_LIMIT, TraceContext, header_problem, row_headers, trace_context
 from relay.headers import trace_context as read_trace
-from relay.model import FailureReason, OutboxRow
+from relay.model import FailureReason, OutboxRow, Rejection
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
-def message_of(source: OutboxRow, *, binary: bool = False) -> Message | tuple[FailureReason, str]:
+def message_of(source: OutboxRow, *, binary: bool = False) -> Message | Rejection:
     """The row's message as the batch builds it: its trace context read first."""
     trace = read_trace(source.traceparent, source.tracestate)
-    return row_message(source, "2026-12-05T00:00:00Z", trace, binary=binary)
+    return message_for(source, MessageSettings(1 << 20, binary), trace)
 
 
 def row(**optional: str | None) -> OutboxRow:
@@ -40,11 +41,20 @@ def row(**optional: str | None) -> OutboxRow:
     [
         TRACEPARENT,
         "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",  # not sampled
-        "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-later-fields",  # a later version
     ],
 )
 def test_a_valid_traceparent_is_kept(value):
     assert trace_context(value, "vendor=x") == TraceContext(value, "vendor=x")
+
+
+@pytest.mark.parametrize(
+    "tail", ["-later-fields", '-","x":"injected', "-" + "f" * 1_000_000]
+)
+def test_a_later_versions_fields_past_the_four_it_has_are_not_passed_on(tail):
+    kept = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    assert trace_context(kept + tail, None) == TraceContext(kept, None)
+    # A line break is not a field: such a traceparent is not W3C's at all.
+    assert trace_context(kept + "-\r\nNats-Rollup: all", None) is None
 
 
 @pytest.mark.parametrize(

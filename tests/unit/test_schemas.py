@@ -135,9 +135,9 @@ def test_a_reload_takes_the_new_set_and_keeps_the_old_on_a_bad_one(tmp_path, cap
 def test_validate_reports_each_invalid_row_and_the_types_without_a_schema(schemas):
     report = ValidationReport()
     rows = [
-        ("id-1", "order.created", {"amount": 1, "currency": "EUR"}),
-        ("id-2", "order.created", {"amount": -1, "currency": "EUR"}),
-        ("id-3", "order.shipped", {}),
+        ("id-1", "order.created", '{"amount": 1, "currency": "EUR"}'),
+        ("id-2", "order.created", '{"amount": -1, "currency": "EUR"}'),
+        ("id-3", "order.shipped", "{}"),
     ]
     check_rows(rows, schemas, report)
     assert report.checked == 3
