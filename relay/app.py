@@ -113,8 +113,7 @@ class Relay:
     def _self_checked(self, heard: bool) -> None:
         """The LISTEN self-check's answer: on one URL for both, it also tells whether
         that URL is a transaction pooler (relay/poolers.py)."""
-        if self.database.pooled is None:
-            self.database.learn_pooler(not heard)
+        self.database.learn_pooler(not heard)
         if heard or self._said_not_heard:
             return  # said once; the check is tried again every few minutes
         self._said_not_heard = True

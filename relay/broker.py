@@ -48,15 +48,20 @@ from relay.model import Failed, FailureReason, PublishResult
 from relay.natsinternals import bound_unacknowledged_data, queue_frames, send_queued
 from relay.natsinternals import check as check_nats_internals
 from relay.replies import NO_STREAM, NO_STREAM_QUESTION_TIMEOUT, api_error, denied_subject
-from relay.streams import PublishMode, StreamModes, choose_mode, describe_modes, stream_for
+from relay.streams import (
+    PublishMode,
+    StreamModes,
+    StreamModesCache,
+    choose_mode,
+    describe_modes,
+    stream_for,
+)
 
 log = logging.getLogger(__name__)
 
-# How long the relay trusts what it read of the streams' configuration (which mode
-# each allows) before reading it again; and after a failed read, before trying again.
-STREAM_MODES_TTL = 30.0  # a fallback: a stream's change is heard as it happens
+# The stream changes heard as they happen (relay/streams.py StreamModesCache says
+# how long a read is trusted otherwise), and how long a read may take.
 STREAM_ADVISORIES = ("CREATED", "UPDATED", "DELETED")
-STREAM_MODES_RETRY = 5.0
 STREAM_MODES_READ_TIMEOUT = 1.0
 
 
@@ -103,13 +108,9 @@ class Broker:
         self._publish_mode = publish_mode
         self._on_modes_change = on_modes_change
         self._on_batch = on_batch or (lambda mode, outcome: None)
-        self._streams: list[StreamModes] = []
+        self._stream_modes = StreamModesCache()
         self._modes: dict[str, PublishMode] = {}
-        self._streams_due = 0.0  # loop time of the next read of the streams' modes
         self._streams_reading: asyncio.Task[None] | None = None
-        # No read has succeeded since connect or since a stream changed: until one
-        # does, every subject goes per message, which any stream takes.
-        self._streams_stale = True
 
     @property
     def connected(self) -> bool:
@@ -138,8 +139,7 @@ class Broker:
         async def reconnected() -> None:
             url = self._nc.connected_url if self._nc else None
             log.info("NATS reconnected to %s", redact_nats_url(url.geturl()) if url else "?")
-            self._streams_stale = True  # a change while away sent no advisory here
-            self._streams_due = 0.0
+            self._stream_modes.changed()  # a change while away sent no advisory here
             if self._nc is not None:
                 bound_unacknowledged_data(self._nc)  # the new connection's socket
             self._on_change(True)
@@ -194,8 +194,7 @@ class Broker:
             stream = msg.subject.rsplit(".", 1)[-1]
             action = msg.subject.split(".")[-2].lower()
             log.info("stream %s %s: reading the streams' publish modes again", stream, action)
-            self._streams_stale = True
-            self._streams_due = 0.0
+            self._stream_modes.changed()
 
         for action in STREAM_ADVISORIES:
             await nc.subscribe(f"$JS.EVENT.ADVISORY.STREAM.{action}.*", cb=changed)
@@ -237,14 +236,16 @@ class Broker:
         STREAM_MODES_READ_TIMEOUT. After a (re)connect or a stream's change a batch
         waits for a read; until one succeeds, every subject goes per message."""
         loop = asyncio.get_running_loop()
-        due = loop.time() >= self._streams_due
-        if self._streams_stale and due:
+        cache = self._stream_modes
+        if cache.must_read_first(loop.time()):
             # Nothing read since connect or since a stream changed: read now, or a
             # stream that takes batches would get its first rows per message.
             await self._read_stream_modes(loop)
-        elif due and (self._streams_reading is None or self._streams_reading.done()):
+        elif cache.may_refresh(loop.time()) and (
+            self._streams_reading is None or self._streams_reading.done()
+        ):
             self._streams_reading = loop.create_task(self._read_stream_modes(loop))
-        streams = [] if self._streams_stale else self._streams
+        streams = cache.known()
         version = self.server_version
         plan: dict[str, tuple[PublishMode, str]] = {}
         for subject in subjects:
@@ -255,7 +256,7 @@ class Broker:
 
     def forget_stream_modes(self) -> None:
         """Read the streams' modes again before the next batch (one turned a batch down)."""
-        self._streams_due = 0.0
+        self._stream_modes.forget()
 
     async def read_publish_modes(self) -> None:
         """Read the streams' publish modes now (at connect, so the log says them at
@@ -266,15 +267,15 @@ class Broker:
         await self._read_stream_modes(asyncio.get_running_loop())
 
     async def _read_stream_modes(self, loop: asyncio.AbstractEventLoop) -> None:
+        cache = self._stream_modes
+        token = cache.read_started()
         try:
             configs = await asyncio.wait_for(self._stream_configs(), STREAM_MODES_READ_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - keep what was known, try again soon
             log.warning("could not read the streams' publish modes: %s", exc)
-            self._streams_due = loop.time() + STREAM_MODES_RETRY
+            cache.read_failed(loop.time())
             return
-        self._streams_due = loop.time() + STREAM_MODES_TTL
-        self._streams_stale = False
-        self._streams = [
+        streams = [
             StreamModes(
                 name=c.name or "?",
                 subjects=tuple(c.subjects or ()),
@@ -284,8 +285,10 @@ class Broker:
             )
             for c in configs
         ]
+        if not cache.read_done(token, streams, loop.time()):
+            return  # a stream changed while this read ran: the next batch reads again
         version = self.server_version
-        modes = {s.name: choose_mode(s, version, self._publish_mode) for s in self._streams}
+        modes = {s.name: choose_mode(s, version, self._publish_mode) for s in streams}
         if modes != self._modes:
             self._modes = modes
             log.info(
@@ -294,7 +297,7 @@ class Broker:
                 self._publish_mode,
                 describe_modes(modes),
             )
-            for stream in self._streams:
+            for stream in streams:
                 if stream.allow_batched and not stream.fast_batches_safe:
                     log.info(
                         "stream %s allows fast batches but has %d replicas: its rows go "

@@ -348,7 +348,8 @@ class Database:
         self._claim_prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
         # None until the LISTEN self-check tells (relay/poolers.py); meanwhile the
         # relay behaves as behind a transaction pooler, which is right either way.
-        self._pooled = pooled_from_config(config)
+        self._pooled_from_config = pooled_from_config(config)
+        self._pooled = self._pooled_from_config
         # The pooled connections that carry the session settings (never behind a
         # transaction pooler: set there, they would stay with a server connection).
         self._configured: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
@@ -369,8 +370,11 @@ class Database:
         return self._pooled
 
     def learn_pooler(self, pooled: bool) -> None:
-        """What the LISTEN self-check told, when the configuration did not."""
-        if self._pooled is None:
+        """What the LISTEN self-check told, when the configuration did not. A check
+        that heard its notification proves no transaction pooler stands between, so
+        it overrules an earlier one that did not (a restart, a lost notification);
+        one that did not hear only settles what was unknown."""
+        if self._pooled_from_config is None and (self._pooled is None or not pooled):
             self._pooled = pooled
 
     async def _checked_out(self, conn: psycopg.AsyncConnection[Any]) -> None:
@@ -536,15 +540,16 @@ class Database:
             row = await aio.call(cursor.fetchone)
         return bool(row and row[0])
 
-    async def delete_spent(self, retention: float, batch_size: int, after: str) -> Deleted:
+    async def delete_spent(
+        self, retention: float, batch_size: int, after: str | None, lookback: float
+    ) -> Deleted:
         """Delete up to ``batch_size`` spent rows published from ``after`` on (text,
-        exact; '-infinity' for all), oldest first."""
+        exact; '-infinity' for all; None for those that came of age in the last
+        ``lookback`` seconds), oldest first."""
+        params = {"retention": retention, "batch_size": batch_size, "after": after,
+                  "lookback": lookback}  # fmt: skip
         async with self.connection("retention") as conn, translated("retention"):
-            cursor = await aio.call(
-                conn.execute,
-                query(self.names, "delete_spent"),
-                {"retention": retention, "batch_size": batch_size, "after": after},
-            )
+            cursor = await aio.call(conn.execute, query(self.names, "delete_spent"), params)
             row = await aio.call(cursor.fetchone)
         assert row is not None  # an aggregate always returns one row
         return Deleted(*row)

@@ -5,8 +5,8 @@ is gone on the next server connection, and a session setting would stay on a ser
 connection that other clients (the producers) get next. So the relay then prepares
 nothing and sets its settings per transaction.
 
-Until it is known, the pool's connections wait: a setting made meanwhile could not
-be taken back.
+Until it is known, the relay behaves as behind one (relay/database.py): a session
+setting made meanwhile could not be taken back.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ from relay.metrics import Metrics
 log = logging.getLogger(__name__)
 
 FROM_THE_FIRST_ROW = "-infinity"
+# From the rows that came of age in the last FULL_PASS_INTERVAL (the delete_spent
+# query's null): where a pass starts when a walk from the first row failed and no
+# earlier pass left a place.
+FROM_RECENT_ROWS = None
 
 # How often a pass walks the published_at index from its first entry instead of from
 # where the last pass stopped, for the rows it skipped (another relay's retention
@@ -23,20 +27,32 @@ FULL_PASS_INTERVAL = 600.0
 
 class RetentionCursor:
     """Where the next retention statement starts: after the last row deleted, and
-    from the first row once every FULL_PASS_INTERVAL. ``now`` is trio's clock."""
+    from the first row once every FULL_PASS_INTERVAL. A full pass that fails (its
+    walk from the first entry timed out while the horizon is held, say) goes back to
+    where the passes had got to, and is tried again an interval later rather than
+    every round. ``now`` is trio's clock."""
 
     def __init__(self, now: float) -> None:
-        self.after = FROM_THE_FIRST_ROW
+        self.after: str | None = FROM_THE_FIRST_ROW
         self._full_pass_at = now
+        self._before_full_pass: str | None = FROM_RECENT_ROWS
 
     def start_pass(self, now: float) -> None:
         if now >= self._full_pass_at:
+            if self.after != FROM_THE_FIRST_ROW:
+                self._before_full_pass = self.after
             self.after = FROM_THE_FIRST_ROW
             self._full_pass_at = now + FULL_PASS_INTERVAL
 
     def deleted_up_to(self, published_at: str | None) -> None:
         if published_at is not None:
             self.after = published_at
+
+    def failed(self) -> None:
+        """A statement failed: a full pass that had not moved yet gives way to the
+        passes from where they had got to (from the recent rows, at start)."""
+        if self.after == FROM_THE_FIRST_ROW:
+            self.after = self._before_full_pass
 
 
 async def run_retention(config: Config, database: Database, metrics: Metrics) -> None:
@@ -47,7 +63,7 @@ async def run_retention(config: Config, database: Database, metrics: Metrics) ->
         try:
             while True:
                 batch = await database.delete_spent(
-                    config.retention, config.retention_batch_size, cursor.after
+                    config.retention, config.retention_batch_size, cursor.after, FULL_PASS_INTERVAL
                 )
                 cursor.deleted_up_to(batch.last_published_at)
                 deleted += batch.count
@@ -57,6 +73,7 @@ async def run_retention(config: Config, database: Database, metrics: Metrics) ->
                 # Let the scheduler have the database between batches.
                 await trio.sleep(0.01)
         except RelayError as exc:
+            cursor.failed()
             metrics.database_errors.labels(task="retention").inc()
             log.warning("retention failed, will retry next round: %s", exc)
         if deleted:

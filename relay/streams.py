@@ -137,3 +137,64 @@ def short_duplicate_windows(
     before ``minimum`` seconds: a row whose ack was lost and that is retried after
     that long is stored again, under the same id."""
     return sorted((name, window) for name, window in windows if window < minimum)
+
+
+# How long what was read of the streams is used before it is read again (a fallback:
+# a stream's change is heard as it happens), and how soon a failed read is tried again.
+STREAM_MODES_TTL = 30.0
+STREAM_MODES_RETRY = 5.0
+
+
+class StreamModesCache:
+    """What was last read of the streams' publish modes, and when to read them again:
+    a pure state machine, fed the events and the loop's time.
+
+    Stale (nothing read since the connection or since a stream changed) means no
+    stream is known, so every subject goes per message, which any stream takes. A
+    read that began before the last change says nothing of it: what it read is not
+    taken, and the next batch reads again (a read in flight while a stream scaled to
+    three replicas must not send it fast batches for a TTL)."""
+
+    def __init__(self) -> None:
+        self.streams: list[StreamModes] = []
+        self.stale = True
+        self.due = 0.0  # loop time of the next read
+        self._changes = 0  # changes heard so far
+
+    def changed(self) -> None:
+        """A stream was created, changed or deleted, or the connection is new."""
+        self._changes += 1
+        self.stale = True
+        self.due = 0.0
+
+    def forget(self) -> None:
+        """Read again before the next batch (a stream turned a batch down)."""
+        self.due = 0.0
+
+    def must_read_first(self, now: float) -> bool:
+        """The batch waits for a read: nothing usable is known."""
+        return self.stale and now >= self.due
+
+    def may_refresh(self, now: float) -> bool:
+        """What is known is old: read again beside the batch."""
+        return not self.stale and now >= self.due
+
+    def read_started(self) -> int:
+        """A read begins; what it returns goes to :meth:`read_done` with this token."""
+        return self._changes
+
+    def read_done(self, token: int, streams: list[StreamModes], now: float) -> bool:
+        """A read that began with ``token`` returned ``streams``; whether it was taken."""
+        if token != self._changes:
+            return False  # a stream changed while it ran: stale still, due now
+        self.streams = streams
+        self.stale = False
+        self.due = now + STREAM_MODES_TTL
+        return True
+
+    def read_failed(self, now: float) -> None:
+        self.due = now + STREAM_MODES_RETRY
+
+    def known(self) -> list[StreamModes]:
+        """The streams to choose modes from: none while stale."""
+        return [] if self.stale else self.streams

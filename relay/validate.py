@@ -80,16 +80,15 @@ def validate_table(
 ) -> ValidationReport:
     """Every row written in the last ``since`` seconds (all, when None)."""
     report = ValidationReport()
+    names = Names.for_config(config)
     with psycopg.connect(conninfo) as conn:
         conn.read_only = True
         since_at = None
         if since is not None:
-            found = conn.execute(
-                "select clock_timestamp() - make_interval(secs => %s)", (since,)
-            ).fetchone()
+            found = conn.execute(query(names, "validate_since"), {"since": since}).fetchone()
             since_at = found[0] if found else None
         with conn.cursor(name="outbox_relay_validate") as cursor:
             cursor.itersize = FETCH_ROWS
-            cursor.execute(query(Names.for_config(config), "validate_rows"), {"since": since_at})
+            cursor.execute(query(names, "validate_rows"), {"since": since_at})
             check_rows(cursor, schemas, report)
     return report

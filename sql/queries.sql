@@ -236,13 +236,16 @@ update {table} t
 -- the entries before it are the rows retention deleted, dead ones that no vacuum
 -- may remove while something holds the horizon back, and a walk from the index's
 -- first entry would visit them all in every statement (relay/retention.py walks
--- from the first entry now and then, for rows another relay's retention held).
+-- from the first entry now and then, for rows another relay's retention held). A
+-- null %(after)s walks from the rows that came of age in the last %(lookback)s
+-- seconds (where a pass starts when a walk from the first entry failed).
 -- Returns how many rows went, and the last one's published_at, exact, as text.
 with spent as (
   select id, published_at
     from {table}
    where published_at is not null
-     and published_at >= %(after)s::timestamptz
+     and published_at >= coalesce(%(after)s::timestamptz,
+                                  now() - make_interval(secs => %(retention)s + %(lookback)s))
      and published_at < now() - make_interval(secs => %(retention)s)
    order by published_at
    limit %(batch_size)s
@@ -425,8 +428,10 @@ select pg_try_advisory_lock({audit_lock});
 -- name: audit_window
 -- `outbox-relay audit`: the window, on the database's clock (published_at's). It
 -- ends now, before the streams are read: a row marked after this may have been
--- stored after the read, and is left to the next audit.
-select clock_timestamp() - make_interval(secs => %(since)s), clock_timestamp();
+-- stored after the read, and is left to the next audit. As exact text: psycopg reads
+-- a timestamptz only in the ISO DateStyle.
+select {exact_time(s)}, {exact_time(e)}
+  from (select clock_timestamp() - make_interval(secs => %(since)s), clock_timestamp()) w (s, e);
 
 -- name: audit_event_types
 -- The event types published in the window, to find the streams that hold them.
@@ -506,6 +511,11 @@ select exists (
          < (least(%(start_at)s::timestamptz, %(bound_at)s::timestamptz - {late_insert}),
             case when %(start_at)s::timestamptz < %(bound_at)s::timestamptz - {late_insert}
                  then %(start_seq)s::bigint else -9223372036854775808 end));
+
+-- name: validate_since
+-- Where `outbox-relay validate --since` starts, on the database's clock, as exact
+-- text (psycopg reads a timestamptz only in the ISO DateStyle).
+select {exact_time(s)} from (select clock_timestamp() - make_interval(secs => %(since)s)) w (s);
 
 -- name: validate_rows
 -- `outbox-relay validate`: every row written since %(since)s (all rows when null),

@@ -18,7 +18,8 @@ import psycopg
 import pytest
 
 from relay import backlog
-from relay.claimstart import FROM_FIRST_ENTRY, LATE_INSERT_SECONDS, ClaimStart, StartKey
+from relay import database as relay_database
+from relay.claimstart import FROM_FIRST_ENTRY, LATE_INSERT_SECONDS, MAX_SEQ, ClaimStart, StartKey
 from relay.config import Config
 from relay.database import POOLED_CONNECTION, Transaction
 from relay.marks import FailureMark, Marks
@@ -88,11 +89,12 @@ def insert(url: str, subject: str, count: int = 1, **columns: Any) -> list[str]:
 def wait_out_the_late_insert_slack(url: str) -> None:
     """Until the database's clock is LATE_INSERT_SECONDS past its now(): a row
     created before is then old enough that only its bound covers it."""
-    [(started,)] = database.fetch(url, "select clock_timestamp()")
+    # Epoch seconds, which any DateStyle writes alike.
+    [(started,)] = database.fetch(url, "select extract(epoch from clock_timestamp())")
     wait_until(
         lambda: database.fetch(
             url,
-            "select clock_timestamp() > %s + make_interval(secs => %s)",
+            "select extract(epoch from clock_timestamp()) > %s + %s",
             (started, LATE_INSERT_SECONDS),
         )[0][0],
         timeout=LATE_INSERT_SECONDS + 10,
@@ -289,7 +291,7 @@ def test_retention_walks_on_from_its_last_row_past_the_dead_entries_it_left(db_u
         with relay_session(db_url) as conn:
             count, last = conn.execute(
                 query(NAMES, "delete_spent"),
-                {"retention": 3600, "batch_size": 1000, "after": after},
+                {"retention": 3600, "batch_size": 1000, "after": after, "lookback": 600},
             ).fetchone()
             [(read,)] = conn.execute(
                 "select pg_stat_get_xact_tuples_returned(%s::regclass)", (index,)
@@ -312,34 +314,268 @@ def test_retention_walks_on_from_its_last_row_past_the_dead_entries_it_left(db_u
         reporting.rollback()
 
 
-def test_the_sweep_finds_a_row_put_back_by_hand_and_a_rewind_claims_it(db_url):
-    # A published row set unpublished again by hand (not with `requeue`): nothing
-    # flags it, and the claims start past it. The sweep (off the claim's path, every
-    # minute in the relay) sees it, and the next claim walks from the first entry.
+def swept(url: str, claims: Claims) -> bool:
+    """Whether the sweep (off the claim's path, every minute in the relay) finds a
+    live row before where the claims start."""
+    key = claims.start.key()
+    params = {"start_at": key.start_at, "start_seq": key.start_seq, "bound_at": key.bound_at}
+    with psycopg.connect(url) as conn:
+        [(found,)] = conn.execute(query(NAMES, "sweep"), params).fetchall()
+    return bool(found)
+
+
+async def published_then_passed(url: str, claims: Claims) -> str:
+    """A row of subject e1, published, then passed by the start key (rows of other
+    subjects claimed after the late-insert slack)."""
+    [row] = insert(url, "e1")
+    assert await claims.drain() == [row]
+    wait_out_the_late_insert_slack(url)
+    for _ in range(3):
+        insert(url, "other", 3)
+        assert len(await claims.drain()) == 3
+    assert not claims.start.walks_from_first_entry
+    return row
+
+
+def test_a_row_put_back_by_hand_is_claimed_before_the_later_rows_of_its_subject(db_url):
+    # A published row set unpublished again by hand (not with `requeue`, as an older
+    # relay's requeue did): the revival trigger flags it late, and the next claim
+    # starts there. No sweep is needed.
     async def test(claims: Claims) -> None:
-        [put_back] = insert(db_url, "e1")
-        assert await claims.drain() == [put_back]
-        wait_out_the_late_insert_slack(db_url)
-        for _ in range(3):
-            insert(db_url, "other", 3)
-            assert len(await claims.drain()) == 3
-
-        def swept() -> bool:
-            key = claims.start.key()
-            params = {"start_at": key.start_at, "start_seq": key.start_seq,
-                      "bound_at": key.bound_at}  # fmt: skip
-            with psycopg.connect(db_url) as conn:
-                [(found,)] = conn.execute(query(NAMES, "sweep"), params).fetchall()
-            return bool(found)
-
-        assert not swept()
+        put_back = await published_then_passed(db_url, claims)
         database.execute(
             db_url, "update outbox_events set published_at = null where id = %s", (put_back,)
         )
-        assert await claims.drain() == []  # past the start key: no claim sees it
-        assert swept()
-        claims.start.rewind()
-        assert await claims.drain() == [put_back]
-        assert not swept()
+        after = insert(db_url, "e1")
+        assert await claims.drain() == [put_back, *after]
 
     run(db_url, test)
+
+
+def test_a_dead_row_brought_back_by_hand_and_a_row_moved_back_are_flagged(db_url):
+    async def test(claims: Claims) -> None:
+        await published_then_passed(db_url, claims)
+        [dead, moved] = insert(db_url, "e2", 2)
+        database.execute(
+            db_url,
+            "update outbox_events set relay_dead_at = now(), relay_retry_at = 'infinity' "
+            "where id = %s",
+            (dead,),
+        )
+        assert await claims.drain() == []  # e2 is held behind its dead row
+        database.execute(
+            db_url,
+            "update outbox_events set relay_dead_at = null, relay_retry_at = null where id = %s",
+            (dead,),
+        )
+        database.execute(
+            db_url,
+            "update outbox_events set created_at = created_at - interval '1 hour' where id = %s",
+            (moved,),
+        )
+        assert database.fetch(
+            db_url, "select relay_late from outbox_events where id = any(%s::uuid[])",
+            ([dead, moved],),
+        ) == [(True,), (True,)]  # fmt: skip
+        assert await claims.drain() == [moved, dead]
+
+    run(db_url, test)
+
+
+def test_the_sweep_finds_a_row_put_back_while_the_triggers_were_off_between_claims(db_url):
+    # The triggers disabled, a row put back, the triggers enabled again, all between
+    # two claims: no claim saw them off (its guard would have walked from the first
+    # entry), and nothing flagged the row. The sweep sees it, and the next claim walks
+    # from the first entry.
+    async def test(claims: Claims) -> None:
+        put_back = await published_then_passed(db_url, claims)
+        assert not swept(db_url, claims)
+        with psycopg.connect(db_url) as conn:
+            conn.execute("alter table outbox_events disable trigger zz_outbox_events_relay_revived")
+            conn.execute("update outbox_events set published_at = null where id = %s", (put_back,))
+            conn.execute(
+                "alter table outbox_events enable always trigger zz_outbox_events_relay_revived"
+            )
+        assert await claims.drain() == []  # past the start key: no claim sees it
+        assert swept(db_url, claims)
+        claims.start.rewind()
+        assert await claims.drain() == [put_back]
+        assert not swept(db_url, claims)
+
+    run(db_url, test)
+
+
+@pytest.mark.parametrize("how", ["disabled", "uninstalled"])
+def test_while_the_late_row_triggers_do_not_fire_every_claim_walks_from_the_first_entry(
+    db_url, how
+):
+    # Disabled by hand, or the SQL uninstalled while relays run: an old created_at
+    # goes unflagged. The claim's guard sees the triggers off and walks from the first
+    # entry, so the row goes before the later row of its subject, and the claims keep
+    # walking from there until one does so with the triggers back.
+    async def test(claims: Claims) -> None:
+        await published_then_passed(db_url, claims)
+        if how == "disabled":
+            database.execute(
+                db_url, "alter table outbox_events disable trigger zz_outbox_events_relay_late"
+            )
+        else:
+            relay_database.uninstall(db_url, NAMES)
+        [old] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00", relay_seq=1)
+        after = insert(db_url, "e1", relay_seq=2)
+        assert await claims.drain() == [old, *after]
+        assert claims.start.walks_from_first_entry
+        database.install(db_url)
+        insert(db_url, "other")
+        await claims.drain()  # from the first entry, the triggers on again
+        insert(db_url, "other")
+        await claims.drain()
+        assert not claims.start.walks_from_first_entry
+
+    run(db_url, test)
+
+
+def _dbname(url: str) -> str:
+    return url.rsplit("/", 1)[-1]
+
+
+def test_rows_written_under_the_replica_role_or_with_a_null_relay_seq_keep_their_order(db_url):
+    # session_replication_role = replica (logical replication's apply, pg_restore)
+    # skips ordinary triggers; the relay's fire ALWAYS. A null relay_seq (an explicit
+    # null, a COPY that carries the column) is numbered by the same trigger.
+    async def test(claims: Claims) -> None:
+        await published_then_passed(db_url, claims)
+        with psycopg.connect(db_url) as conn:
+            conn.execute("set session_replication_role = replica")
+            replica = str(uuid.uuid4())
+            conn.execute(
+                "insert into outbox_events (id, event_type, source, subject, time, data, "
+                "created_at, relay_seq) values (%s, 'a.b', 's', 'e1', now(), '{}', "
+                "now() - interval '10 seconds', null)",
+                (replica,),
+            )
+            conn.commit()
+        copied = str(uuid.uuid4())
+        with psycopg.connect(db_url) as conn, conn.cursor() as cursor:
+            columns = "id, event_type, source, subject, time, data, relay_seq"
+            with cursor.copy(f"copy outbox_events ({columns}) from stdin") as copy:
+                copy.write_row((copied, "a.b", "s", "e1", "2026-12-05 00:00:00+00", "{}", None))
+        [explicit] = insert(db_url, "e1", relay_seq=None)
+        after = insert(db_url, "e1")
+        assert database.fetch(
+            db_url, "select count(*) from outbox_events where relay_seq is null "
+            "and published_at is null",
+        ) == [(0,)]  # fmt: skip
+        assert await claims.drain() == [replica, copied, explicit, *after]
+
+    run(db_url, test)
+
+
+def test_a_live_row_without_a_relay_seq_is_refused_while_the_trigger_is_off(db_url):
+    # The table's check holds what the trigger gives: with the trigger disabled, a
+    # producer's explicit null fails its own transaction rather than sit unclaimable.
+    database.execute(
+        db_url, "alter table outbox_events disable trigger zz_outbox_events_relay_late"
+    )
+    with pytest.raises(psycopg.errors.CheckViolation):
+        insert(db_url, "e1", relay_seq=None)
+
+
+def test_a_service_trigger_that_waits_before_the_insert_takes_its_xid_loses_no_order(db_url):
+    # A BEFORE INSERT trigger of the service's own that sorts after the relay's and
+    # waits (a lock, a lookup): the row's xid would come after the relay's clock test,
+    # and claims meanwhile would bound their start past its created_at. The relay's
+    # test takes the xid first, so the snapshot's xmin holds the bound back.
+    database.execute(
+        db_url,
+        """
+        create function zzz_service_lookup() returns trigger language plpgsql as $$
+        begin
+          perform pg_sleep(2 * {slack});
+          return new;
+        end $$;
+        create trigger zzz_service_lookup before insert on outbox_events
+          for each row when (new.subject = 'e1') execute function zzz_service_lookup();
+        """.replace("{slack}", str(LATE_INSERT_SECONDS)),
+    )
+    [(problems,)] = database.fetch(db_url, query(NAMES, "late_guard"))
+    assert problems == [
+        "the BEFORE row trigger zzz_service_lookup fires after the late-row triggers and "
+        "may change created_at unseen"
+    ]
+
+    async def test(claims: Claims) -> None:
+        insert(db_url, "other", 3)
+        await claims.drain()
+        slow = str(uuid.uuid4())
+        done = asyncio.Event()
+
+        async def service_insert() -> None:
+            async with await psycopg.AsyncConnection.connect(db_url) as conn:
+                await conn.execute(
+                    "insert into outbox_events (id, event_type, source, subject, time, data) "
+                    "values (%s, 'a.b', 's', 'e1', now(), '{}')",
+                    (slow,),
+                )
+                await conn.commit()
+            done.set()
+
+        task = asyncio.create_task(service_insert())
+        claimed: list[str] = []
+        while not done.is_set():  # claims of other subjects while it waits
+            insert(db_url, "other")
+            claimed += await claims.drain()
+            await asyncio.sleep(0.05)
+        await task
+        database.execute(db_url, "drop trigger zzz_service_lookup on outbox_events")
+        [later] = insert(db_url, "e1")
+        claimed += await claims.drain()
+        assert slow in claimed
+        assert claimed.index(slow) < claimed.index(later)
+
+    run(db_url, test)
+
+
+def test_a_claim_whose_clock_is_behind_its_bound_walks_from_the_first_entry(db_url):
+    # The database's clock stepped back: rows committed since may carry created_at
+    # values before the bound. The claim's guard sees its statement time behind the
+    # bound and walks from the first entry, and says so.
+    async def test(claims: Claims) -> None:
+        [early] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00")
+        ahead = StartKey("infinity", MAX_SEQ, "9999-01-01 00:00:00+00")
+        claims.start._key = ahead  # as if the last claims ran on a clock years ahead
+        assert claims.start.key() == ahead
+        assert await claims.claim() == [early]
+        assert claims.start.walks_from_first_entry
+
+    run(db_url, test)
+
+
+@pytest.mark.parametrize("where", ["database", "role"])
+def test_a_database_whose_datestyle_is_not_iso_keeps_exact_start_keys(db_url, where):
+    # 'SQL, DMY' with Asia/Kolkata writes a time as "05/12/2026 15:49:10 IST", which
+    # Postgres reads back as Israel's time: the start key and retention's cursor must
+    # cross as text that does not depend on them.
+    name = _dbname(db_url)
+    target = f'database "{name}"'
+    if where == "role":
+        [(role,)] = database.fetch(db_url, "select current_user")
+        target = f'role "{role}" in {target}'
+    database.execute(db_url, f"alter {target} set datestyle = 'SQL, DMY'")
+    database.execute(db_url, f"alter {target} set timezone = 'Asia/Kolkata'")
+    try:
+
+        async def test(claims: Claims) -> None:
+            await published_then_passed(db_url, claims)
+            key = claims.start.key()
+            assert key.bound_at.endswith(" AD"), key  # UTC, ISO order, the era
+            [early] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00")
+            after = insert(db_url, "e1")
+            assert await claims.drain() == [early, *after]
+            insert(db_url, "other", 3)
+            assert len(await claims.drain()) == 3
+            assert not claims.start.walks_from_first_entry
+
+        run(db_url, test)
+    finally:
+        database.execute(db_url, f"alter {target} reset all")

@@ -151,6 +151,7 @@ def test_validate_exit_status_and_json(db_url, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(result.stdout) == {
         "checked": 2,
+        "invalid_count": 0,
         "invalid": [],
         "no_schema": {"note.added": 1},
     }

@@ -47,9 +47,7 @@ def test_a_valid_traceparent_is_kept(value):
     assert trace_context(value, "vendor=x") == TraceContext(value, "vendor=x")
 
 
-@pytest.mark.parametrize(
-    "tail", ["-later-fields", '-","x":"injected', "-" + "f" * 1_000_000]
-)
+@pytest.mark.parametrize("tail", ["-later-fields", '-","x":"injected', "-" + "f" * 1_000_000])
 def test_a_later_versions_fields_past_the_four_it_has_are_not_passed_on(tail):
     kept = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     assert trace_context(kept + tail, None) == TraceContext(kept, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from relay.gauges import BACKLOG_DUTY, next_backlog_read
 from relay.horizon import XID_CLOCK_SPAN, Holder, XidClock, describe, holder_seconds
-from relay.retention import FULL_PASS_INTERVAL, RetentionCursor
+from relay.retention import FROM_RECENT_ROWS, FULL_PASS_INTERVAL, RetentionCursor
 
 
 def test_the_xid_clock_tells_an_xids_age_from_the_first_sample_after_it():
@@ -70,4 +70,26 @@ def test_retention_walks_on_from_its_last_row_and_from_the_first_now_and_then():
     cursor.start_pass(60.0)
     assert cursor.after == "2026-12-04 10:00:00.5+00"
     cursor.start_pass(FULL_PASS_INTERVAL)
+    assert cursor.after == "-infinity"
+
+
+def test_a_failed_full_pass_gives_way_to_the_passes_and_is_tried_an_interval_later():
+    cursor = RetentionCursor(now=0.0)
+    cursor.start_pass(0.0)
+    assert cursor.after == "-infinity"
+    cursor.failed()  # the first walk, from the first row, timed out: no place yet
+    assert cursor.after is FROM_RECENT_ROWS
+    cursor.start_pass(30.0)
+    assert cursor.after is FROM_RECENT_ROWS  # not the walk that failed, again
+    cursor.deleted_up_to("2026-12-04 10:00:00.5+00")
+    cursor.start_pass(FULL_PASS_INTERVAL)
+    assert cursor.after == "-infinity"
+    cursor.failed()
+    assert cursor.after == "2026-12-04 10:00:00.5+00"
+    cursor.start_pass(FULL_PASS_INTERVAL + 30.0)
+    assert cursor.after == "2026-12-04 10:00:00.5+00"
+    cursor.deleted_up_to("2026-12-04 10:05:00+00")
+    cursor.failed()  # a failure once the pass moved keeps its place
+    assert cursor.after == "2026-12-04 10:05:00+00"
+    cursor.start_pass(2 * FULL_PASS_INTERVAL)
     assert cursor.after == "-infinity"

@@ -13,6 +13,7 @@ from psycopg import sql
 
 from relay.claimstart import FROM_FIRST_ENTRY, MIN_SEQ, StartKey
 from relay.config import Config, parse_channel, parse_table_name
+from relay.database import Database
 from relay.errors import ConfigError
 from relay.health import Health
 from relay.httpserver import HttpServer, parse_request_line
@@ -107,6 +108,20 @@ def test_behind_a_transaction_pooler_the_claim_is_one_message_with_its_values():
 )
 def test_whether_the_database_url_is_taken_for_a_transaction_pooler(settings, pooled):
     assert pooled_from_config(Config(**settings)) is pooled
+
+
+def test_a_self_check_that_hears_overrules_one_that_did_not_but_never_the_configuration():
+    database = Database(Config())
+    assert database.pooled is None
+    database.learn_pooler(True)  # the first check heard nothing (a restart, a lost one)
+    assert database.pooled is True
+    database.learn_pooler(False)  # a later one heard: no transaction pooler
+    assert database.pooled is False
+    database.learn_pooler(True)  # not hearing proves nothing once one was heard
+    assert database.pooled is False
+    configured = Database(Config(database_pooler="transaction"))
+    configured.learn_pooler(False)
+    assert configured.pooled is True
 
 
 def test_configured_names_cannot_break_out_of_their_quotes():
