@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from relay.claimstart import FROM_FIRST_ENTRY, MAX_SEQ, ClaimStart, ClaimSummary, StartKey
+from relay.claimstart import (
+    CLAIMS_KEPT,
+    FROM_FIRST_ENTRY,
+    MAX_SEQ,
+    ClaimStart,
+    ClaimSummary,
+    StartKey,
+)
 
 
 def summary(start_at: str | None, xmin: int, xid: int | None, at: str) -> ClaimSummary:
@@ -81,3 +88,44 @@ def test_a_rewind_walks_from_the_first_entry_until_such_a_claim_reports():
     assert start.key() == FROM_FIRST_ENTRY
     claim(start, summary("t4", xmin=108, xid=109, at="s4"))  # from the first entry
     assert start.key() == StartKey("t4", 7, "s3")
+
+
+def test_the_claims_kept_for_the_bound_stay_bounded_while_a_writer_holds_the_xmin():
+    # A transaction that has written holds the xmin at 100: no claim can be let go,
+    # and each adds one. Past CLAIMS_KEPT every other one goes.
+    start = ClaimStart()
+    claims = 5 * CLAIMS_KEPT
+    for n in range(claims):
+        claim(start, summary("t", xmin=100, xid=101 + n, at=f"s{n:06d}"))
+        assert len(start._claims) <= CLAIMS_KEPT
+    assert start.key() == FROM_FIRST_ENTRY  # no claim older than the xmin yet
+    # The writer ends: the bound is a claim whose xid is older than the new xmin (a
+    # sound one), and no later than the latest such claim.
+    claim(start, summary("t", xmin=101 + claims - 10, xid=None, at="after"))
+    bound = start.key().bound_at
+    assert "s000000" <= bound <= f"s{claims - 11:06d}"
+    assert bound >= f"s{claims - 11 - 16:06d}"  # thinning left it close to the latest
+
+
+def test_a_live_row_without_a_relay_seq_rewinds_instead_of_crashing():
+    start = ClaimStart()
+    claim(start, summary("t1", xmin=100, xid=100, at="s1"))
+    start.observe(ClaimSummary("t2", None, "s2", 101, 102), start.key())
+    assert start.key() == FROM_FIRST_ENTRY
+    assert start.take_rewind_reason() == "a live row has no relay_seq"
+    assert start.take_rewind_reason() is None  # said once
+
+
+def test_a_claim_whose_guard_was_off_rewinds_until_a_claim_from_the_first_entry_sees_it_on():
+    start = ClaimStart()
+    claim(start, summary("t1", xmin=100, xid=100, at="s1"))
+    claim(start, summary("t2", xmin=101, xid=105, at="s2"))
+    keyed = start.key()
+    assert keyed != FROM_FIRST_ENTRY
+    start.observe(ClaimSummary("t3", 7, "s3", 106, 107, guard_off=True), keyed)
+    assert start.key() == FROM_FIRST_ENTRY
+    # Walking from the first entry while the triggers are still off keeps rewinding.
+    start.observe(ClaimSummary("t4", 7, "s4", 108, 109, guard_off=True), FROM_FIRST_ENTRY)
+    assert start.key() == FROM_FIRST_ENTRY
+    start.observe(ClaimSummary("t5", 7, "s5", 110, 111), FROM_FIRST_ENTRY)
+    assert start.key() == StartKey("t5", 7, "s4")

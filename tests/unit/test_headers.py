@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from relay import headers as module
 from relay.envelope import (
     MSG_ID_HEADER,
     Message,
@@ -196,3 +197,29 @@ def test_binary_mode_hop_context_takes_the_header_the_producers_stays_an_attribu
 )
 def test_header_values_are_percent_encoded_as_the_cloudevents_binding_says(value, encoded):
     assert percent_encode(value) == encoded
+
+
+def test_the_headers_cache_keeps_short_texts_only_and_at_most_its_count():
+    module._cached_headers.cache_clear()
+    for n in range(module.HEADERS_CACHED + 50):
+        assert row_headers(json.dumps({"x-tenant": f"t{n}"}))[1] is None
+    assert module._cached_headers.cache_info().currsize == module.HEADERS_CACHED
+    module._cached_headers.cache_clear()
+    long_text = json.dumps({"x-blob": "b" * module.HEADERS_CACHED_TEXT})
+    assert row_headers(long_text) == ({"x-blob": "b" * module.HEADERS_CACHED_TEXT}, None)
+    assert module._cached_headers.cache_info().currsize == 0
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"h": ' + "[" * 3000 + "]" * 3000 + "}",
+        '{"h": 1' + "0" * 400 + "}",
+        "[" * 1100 + "]" * 1100,
+    ],
+)
+def test_headers_no_parser_reads_whole_are_the_rows_fault_not_an_exception(text):
+    found, problem = row_headers(text)
+    assert found == {}
+    assert problem is not None
+    assert problem.startswith("headers: ")

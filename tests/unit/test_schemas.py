@@ -12,7 +12,7 @@ import pytest
 
 from relay.errors import SetupError
 from relay.schemas import REASON_LIMIT, SchemaCheck, Schemas
-from relay.validate import ValidationReport, check_rows
+from relay.validate import INVALID_LISTED, ValidationReport, check_rows
 
 ORDER = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -153,3 +153,29 @@ def test_validate_reports_each_invalid_row_and_the_types_without_a_schema(schema
     assert report.summary().endswith(
         "checked 3 rows: 1 invalid, 1 of 1 event types without a schema (order.shipped)\n"
     )
+
+
+def test_validate_lists_a_bounded_number_of_invalid_rows_and_counts_them_all(schemas):
+    report = ValidationReport()
+    extra = 5
+    rows = [
+        (f"id-{n}", "order.created", '{"amount": -1, "currency": "EUR"}')
+        for n in range(INVALID_LISTED + extra)
+    ]
+    check_rows(rows, schemas, report)
+    assert report.invalid_count == INVALID_LISTED + extra
+    assert len(report.invalid) == INVALID_LISTED
+    assert f"... and {extra} more invalid rows" in report.summary()
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        ('{"amount": 1' + "0" * 400 + ', "currency": "EUR"}', None),  # beyond a double: exact
+        ("[" * 3000 + "]" * 3000, "schema: the data nested deeper than the relay reads"),
+    ],
+)
+def test_data_no_double_can_hold_is_checked_exactly_and_too_deep_data_is_invalid(
+    schemas, data, reason
+):
+    assert schemas.text_problem("order.created", data) == reason
