@@ -17,12 +17,12 @@ import psycopg
 import pytest
 
 from tests.support import database
-from tests.support.campaign import Campaign
-from tests.support.checker import Committed, Verdict
+from tests.support.campaign import FAST, MAX_ATTEMPTS, Campaign, finish
+from tests.support.checker import Committed
 from tests.support.database import Event
 from tests.support.failover import ThrowawayStandby, failover_url, make_synchronous
 from tests.support.proxy import proxy_to
-from tests.support.relayproc import RelayProcess, wait_until
+from tests.support.relayproc import wait_until
 from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL, throwaway_nats, throwaway_postgres
 from tests.support.stream import TestStream
 
@@ -35,15 +35,6 @@ STREAM_ALLOWING: dict[str, dict[str, bool]] = {
     "message": {},
     "batch": {"allow_batched": True},
     "atomic": {"allow_atomic": True},
-}
-MAX_ATTEMPTS = 8
-# Fast retries, so a campaign drains in seconds after its faults.
-FAST = {
-    "backoff_base": "50ms",
-    "backoff_max": "500ms",
-    "max_attempts": MAX_ATTEMPTS,
-    "publish_timeout": "1s",
-    "poll_interval": "200ms",
 }
 
 
@@ -59,43 +50,6 @@ def assert_batches_stored(relays: list, mode: str) -> None:
 
 def port_of(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/", maxsplit=1)[0])
-
-
-def finish(
-    campaign: Campaign, *relays: RelayProcess, title: str = "campaign", drain_stall: float = 90.0
-) -> Verdict:
-    """Stop the producers, let the relays come back to ready, drain, check, and show
-    the counts. A campaign without poison rows ends with no dead row at all; with
-    them, exactly the poison rows are dead."""
-    campaign.stop()
-    campaign.capture_late_subjects()
-    for relay in relays:
-        assert relay.process is not None
-        assert relay.process.poll() is None, (
-            f"the relay should still be serving; it exited with {relay.process.returncode}, "
-            f"its log ends:\n{relay.logs()[-4000:]}"
-        )
-        wait_until(relay.ready, timeout=60, message="every relay ready again")
-    started = time.monotonic()
-    try:
-        left = campaign.drain(MAX_ATTEMPTS, stall=drain_stall)
-    except AssertionError as exc:
-        tails = "".join(
-            f"\nrelay {n} (pid {relay.process.pid}), its log ends:\n{relay.logs()[-3000:]}"
-            for n, relay in enumerate(relays)
-            if relay.process is not None
-        )
-        raise AssertionError(f"{exc}{tails}") from None
-    drained = f"drained {left} rows in {time.monotonic() - started:.1f} s"
-    verdict = campaign.verdict(MAX_ATTEMPTS)
-    print(f"\n{title}: {drained}; {verdict.summary()}")
-    assert verdict.ok, verdict.summary() + "\n" + verdict.details()
-    assert verdict.committed > 0
-    assert verdict.poison_dead == verdict.poison
-    if not campaign.poison_rate:
-        assert verdict.poison == 0
-        assert database.dead_count(campaign.db_url, MAX_ATTEMPTS) == 0
-    return verdict
 
 
 @pytest.fixture
@@ -473,7 +427,9 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
     with throwaway_postgres() as pg, throwaway_nats() as nats:
         database.install(pg.url)
         stream = TestStream(nats.url, **STREAM_ALLOWING[publish_mode])
-        campaign = Campaign(pg.url, stream, producers=6, poison_rate=0.01, pause=0.001).start()
+        campaign = Campaign(
+            pg.url, stream, producers=6, poison_rate=0.01, pause=0.001, hostile=True
+        ).start()
         with proxy_to(pg.port) as pg_proxy, proxy_to(nats.port) as nats_proxy:
             via = {
                 "database_url": pg.url.replace(f":{pg.port}/", f":{pg_proxy.port}/"),

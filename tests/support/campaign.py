@@ -9,15 +9,27 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import psycopg
 
 from relay import backlog
 from relay.config import Config
+from tests.support import database
 from tests.support.checker import Committed, RowState, Stored, Verdict, check
-from tests.support.relayproc import wait_until
+from tests.support.relayproc import RelayProcess, wait_until
 from tests.support.stream import TestStream
+
+MAX_ATTEMPTS = 8
+# Fast retries, so a campaign drains in seconds after its faults.
+FAST = {
+    "backoff_base": "50ms",
+    "backoff_max": "500ms",
+    "max_attempts": MAX_ATTEMPTS,
+    "publish_timeout": "1s",
+    "poll_interval": "200ms",
+}
 
 DOMAIN = """
 create table if not exists campaign_domain (
@@ -31,12 +43,42 @@ POISON_TYPES = ["bad subject", "x.*", "a..b", ".lead", "", "$SYS.nope"]
 # the stream's subjects (capture_late_subjects); until then they wait.
 GOOD_KINDS = ("odd", "big_ok", "late_stream")
 
+# Ways a producer writes that Postgres accepts and the start key's model does not
+# assume (issue 39), drawn per transaction with hostile=True. Each keeps a subject's
+# created_at rising with its sequence (the producer owns its subjects and commits
+# them one at a time), so any reordering the checker sees is the relay's.
+HOSTILE_KINDS = (
+    "plain",
+    "pause_before",  # reads for a while first: created_at (now()) is old at the insert
+    "pause_after",  # commits long after its insert: the snapshot's xmin must hold
+    "old_created_at",  # an explicit created_at in the past (after the subject's last)
+    "replica",  # session_replication_role = replica: ordinary triggers do not fire
+    "null_seq",  # an explicit null relay_seq
+    "service_wait",  # a service's BEFORE trigger sorting after the relay's waits
+)
+HOSTILE_PAUSE = 1.5
+
+# The service's own trigger: sorts after the relay's, and waits as long as the row
+# asks (a lock, a lookup).
+SERVICE_TRIGGER = """
+create or replace function zzz_campaign_lookup() returns trigger language plpgsql as $$
+begin
+  perform pg_sleep(coalesce((new.data->>'wait')::float8, 0));
+  return new;
+end $$;
+drop trigger if exists zzz_campaign_lookup on outbox_events;
+create trigger zzz_campaign_lookup before insert on outbox_events
+  for each row when (new.data ? 'wait') execute function zzz_campaign_lookup();
+"""
+
 
 @dataclass
 class Producer:
     index: int
     subjects: list[str]
     seq: dict[str, int] = field(default_factory=dict)
+    # Each subject's last created_at, as exact text: an explicit one goes after it.
+    created_at: dict[str, str] = field(default_factory=dict)
 
 
 class Campaign:
@@ -50,6 +92,7 @@ class Campaign:
         rollback_rate: float = 0.05,
         poison_rate: float = 0.0,
         pause: float = 0.002,
+        hostile: bool = False,
     ) -> None:
         self.db_url = db_url
         self.stream = stream
@@ -57,6 +100,11 @@ class Campaign:
         self.rollback_rate = rollback_rate
         self.poison_rate = poison_rate
         self.pause = pause
+        self.hostile = hostile
+        # Published rows an operator put back by hand (published_at set to null).
+        self.put_back: list[str] = []
+        # Committed rows by the hostile kind of their write.
+        self.kinds: Counter[str] = Counter()
         self.committed: list[Committed] = []
         self.in_doubt: dict[str, Committed] = {}
         self.rolled_back: set[str] = set()
@@ -76,6 +124,8 @@ class Campaign:
         self._threads: list[threading.Thread] = []
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute(DOMAIN)
+            if hostile:
+                conn.execute(SERVICE_TRIGGER)
 
     # -- producing ---------------------------------------------------------------
 
@@ -84,7 +134,7 @@ class Campaign:
             thread = threading.Thread(target=self._produce, args=(producer,), daemon=True)
             thread.start()
             self._threads.append(thread)
-        if self.poison_rate:
+        if self.poison_rate or self.hostile:
             self._operator = threading.Thread(target=self._operate, daemon=True)
             self._operator.start()
         return self
@@ -98,7 +148,7 @@ class Campaign:
     def close(self) -> None:
         self.stop()
         self._operator_stop.set()
-        if self.poison_rate and hasattr(self, "_operator"):
+        if hasattr(self, "_operator"):
             self._operator.join(30)
 
     def capture_late_subjects(self) -> None:
@@ -126,6 +176,8 @@ class Campaign:
         while not self._operator_stop.wait(0.3):
             try:
                 self.skip_dead_poison()
+                if self.hostile and not self._stop.is_set():
+                    self.put_one_back()
             except psycopg.Error:
                 continue  # the database is down for a fault: try again
             except Exception as exc:  # noqa: BLE001 - kept for the drain's report
@@ -144,6 +196,21 @@ class Campaign:
         if not ids:
             return 0
         return backlog.skip(self.db_url, Config(), ids=ids, execute=True).skipped
+
+    def put_one_back(self) -> None:
+        """As an operator with an older CLI did: a published row set unpublished again
+        by hand, to be published again (with its id: the stream drops the copy inside
+        its duplicate window, consumers after it)."""
+        with psycopg.connect(self.db_url, connect_timeout=3, autocommit=True) as conn:
+            row = conn.execute(
+                "update outbox_events set published_at = null where id = (select id "
+                "from outbox_events where published_at is not null and event_type = %s "
+                "order by random() limit 1) returning id::text",
+                (self.event_type,),
+            ).fetchone()
+        if row is not None:
+            with self._lock:
+                self.put_back.append(row[0])
 
     def record(self, event: Committed) -> None:
         """An event a test committed itself, beside the producers."""
@@ -188,15 +255,47 @@ class Campaign:
             with self._lock:
                 (self.odd if kind in GOOD_KINDS else self.poison).add(event_id)
         rollback = rng.random() < self.rollback_rate
-        conn.execute(
+        hostile = rng.choice(HOSTILE_KINDS) if self.hostile else "plain"
+        created_at = "clock_timestamp()"
+        if hostile == "pause_before":
+            conn.execute("select 1")  # the transaction begins: now() is taken
+            time.sleep(rng.uniform(0, HOSTILE_PAUSE))
+            created_at = "now()"
+        elif hostile == "old_created_at":
+            created_at = (
+                "greatest(coalesce(%(last)s::timestamptz, '-infinity') + interval '1 us', "
+                "clock_timestamp() - make_interval(secs => %(back)s))"
+            )
+        elif hostile == "replica":
+            conn.execute("set local session_replication_role = replica")
+        elif hostile == "service_wait":
+            # Past the late-insert slack: a row whose xid came after the relay's clock
+            # test would sit behind the start key.
+            data = {**data, "wait": round(rng.uniform(0.5, 2.5), 3)}
+        domain = (
             "insert into campaign_domain (entity, seq) values (%s, %s)",
             (f"{subject}/{event_id}", seq),
         )
-        conn.execute(
-            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
-            "values (%s, %s, %s, %s, now(), %s, clock_timestamp())",
-            (event_id, event_type, source, subject, json.dumps(data)),
-        )
+        if hostile != "service_wait":
+            conn.execute(*domain)
+        row = conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, created_at"
+            + (", relay_seq" if hostile in ("null_seq", "replica") else "")
+            + ") values (%(id)s, %(type)s, %(source)s, %(subject)s, now(), %(data)s, "
+            + created_at
+            + (", null" if hostile in ("null_seq", "replica") else "")
+            + ") returning created_at::text",
+            {
+                "id": event_id, "type": event_type, "source": source, "subject": subject,
+                "data": json.dumps(data), "last": producer.created_at.get(subject),
+                "back": rng.uniform(0, 5),
+            },
+        ).fetchone()  # fmt: skip
+        if hostile == "service_wait":
+            # The outbox row is the transaction's first write: its xid is taken there.
+            conn.execute(*domain)
+        if hostile == "pause_after":
+            time.sleep(rng.uniform(0, HOSTILE_PAUSE))
         event = Committed(event_id, subject, seq)
         if rollback:
             conn.rollback()
@@ -204,6 +303,8 @@ class Campaign:
                 self.rolled_back.add(event_id)
             return
         producer.seq[subject] = seq  # a gap after an in-doubt commit is harmless
+        if row is not None:
+            producer.created_at[subject] = row[0]
         try:
             conn.commit()
         except psycopg.Error:
@@ -212,6 +313,7 @@ class Campaign:
             raise
         with self._lock:
             self.committed.append(event)
+            self.kinds[hostile] += 1
 
     def _poison_row(self, rng: random.Random, subject: str, seq: int) -> tuple[str, str, dict, str]:
         """(kind, event_type, data, source) of a row that can never be published, or
@@ -343,3 +445,40 @@ class Campaign:
                 )
             )  # fmt: skip
         return check(committed, table, messages, max_attempts=max_attempts, poison=self.poison)
+
+
+def finish(
+    campaign: Campaign, *relays: RelayProcess, title: str = "campaign", drain_stall: float = 90.0
+) -> Verdict:
+    """Stop the producers, let the relays come back to ready, drain, check, and show
+    the counts. A campaign without poison rows ends with no dead row at all; with
+    them, exactly the poison rows are dead."""
+    campaign.stop()
+    campaign.capture_late_subjects()
+    for relay in relays:
+        assert relay.process is not None
+        assert relay.process.poll() is None, (
+            f"the relay should still be serving; it exited with {relay.process.returncode}, "
+            f"its log ends:\n{relay.logs()[-4000:]}"
+        )
+        wait_until(relay.ready, timeout=60, message="every relay ready again")
+    started = time.monotonic()
+    try:
+        left = campaign.drain(MAX_ATTEMPTS, stall=drain_stall)
+    except AssertionError as exc:
+        tails = "".join(
+            f"\nrelay {n} (pid {relay.process.pid}), its log ends:\n{relay.logs()[-3000:]}"
+            for n, relay in enumerate(relays)
+            if relay.process is not None
+        )
+        raise AssertionError(f"{exc}{tails}") from None
+    drained = f"drained {left} rows in {time.monotonic() - started:.1f} s"
+    verdict = campaign.verdict(MAX_ATTEMPTS)
+    print(f"\n{title}: {drained}; {verdict.summary()}")
+    assert verdict.ok, verdict.summary() + "\n" + verdict.details()
+    assert verdict.committed > 0
+    assert verdict.poison_dead == verdict.poison
+    if not campaign.poison_rate:
+        assert verdict.poison == 0
+        assert database.dead_count(campaign.db_url, MAX_ATTEMPTS) == 0
+    return verdict
