@@ -2,10 +2,12 @@
 commit.
 
 The scheduler (trio) decides when a batch runs and how long it may take; the batch
-itself is a single call through :func:`relay.aio.call`. It awaits only the asyncio
+itself is a single call through :func:`relay.aio.call`. Its I/O is the asyncio
 halves of the two doors (:class:`relay.database.Transaction` and
-:class:`relay.broker.Broker`: its publish modes, waves and batches) and calls only
-pure decisions.
+:class:`relay.broker.Broker`: its publish modes, waves and batches); its decisions
+are pure functions (the order, :func:`relay.envelope.message_for`, the marks); and
+beside them it reads the wall clock once, opens tracing spans, logs and hits the
+failpoints.
 
 Why one crossing and not one per statement: each crossing between trio and asyncio
 that waits on I/O costs wall time, and at light load a batch that crossed per
@@ -338,7 +340,8 @@ class Batch:
                 if row.traceparent is not None and trace is None:
                     self._warnings.warn(
                         f"row {row.id}: traceparent {row.traceparent[:80]!r} is not W3C "
-                        "Trace Context: published without it"
+                        "Trace Context: published without it",
+                        key="traceparent not W3C",
                     )
                 messages[row.id] = built
                 sendable.append(row)

@@ -37,6 +37,12 @@ class BrokerUnavailable(TransientError):
     """NATS could not be reached, or the connection broke mid-work."""
 
 
+class UnexpectedError(TransientError):
+    """Something the relay did not expect failed its work (a bug of its own or of a
+    library), logged with its traceback where it was met. The work is retried later:
+    the relay keeps serving, and a row never pays for it."""
+
+
 def first_line(exc: BaseException) -> str:
     """An exception as one log line: its message's first line, or its class's name
     when it has no message (a server's error can run to a dozen lines)."""

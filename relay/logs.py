@@ -70,15 +70,18 @@ class RepeatedWarnings:
         self._every = every
         self._seen: dict[str, tuple[float, int]] = {}  # message: (last logged, since)
 
-    def warn(self, message: str, now: float | None = None) -> None:
+    def warn(self, message: str, now: float | None = None, *, key: str | None = None) -> None:
+        """``key``: what makes two warnings the same (the message itself by default;
+        a kind of warning whose messages name a row each gives one key for them)."""
         now = time.monotonic() if now is None else now
+        key = message if key is None else key
         if len(self._seen) > _WARNINGS_KEPT:
             self._seen.clear()  # many distinct messages: each is news anyway
-        last, suppressed = self._seen.get(message, (-math.inf, 0))
+        last, suppressed = self._seen.get(key, (-math.inf, 0))
         if now - last < self._every:
-            self._seen[message] = (last, suppressed + 1)
+            self._seen[key] = (last, suppressed + 1)
             return
-        self._seen[message] = (now, 0)
+        self._seen[key] = (now, 0)
         if suppressed:
             self._log.warning(
                 "%s (%d more times in the last %.0fs)", message, suppressed, now - last

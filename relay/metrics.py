@@ -154,6 +154,7 @@ class Metrics:
     table_bytes: Gauge
     claims_from_first_entry: Counter
     database_errors: Counter
+    unexpected_errors: Counter
     publish_mode: Gauge
     batch_publishes: Counter
     short_duplicate_windows: Gauge

@@ -20,7 +20,7 @@ import trio
 from relay.backoff import ReconnectBackoff
 from relay.batch import BatchOutcome
 from relay.config import Config
-from relay.errors import DatabaseUnavailable, RelayError
+from relay.errors import DatabaseUnavailable, RelayError, UnexpectedError, first_line
 from relay.health import Health
 from relay.listener import Sleep
 from relay.metrics import Metrics
@@ -285,6 +285,8 @@ class Scheduler:
                 raise DatabaseUnavailable("a batch took too long: database unresponsive") from None
 
         def pass_failed(failure: BaseException) -> None:
+            if isinstance(failure, UnexpectedError):
+                return  # counted where it was met
             self._metrics.database_errors.labels(task="publisher").inc()
             if isinstance(failure, DatabaseUnavailable):
                 self._health.database = False
@@ -342,6 +344,15 @@ class Scheduler:
         """One batch, in one crossing into asyncio (see :mod:`relay.batch`)."""
         try:
             outcome = await self._run_batch()
+        except RelayError:
+            raise
+        except Exception as exc:
+            # A bug of the relay's or a library's: the batch's transaction rolled
+            # back, its rows wait with their attempts untouched, and the relay keeps
+            # serving rather than stop into the same batch again.
+            log.exception("a batch failed for a reason the relay did not expect")
+            self._metrics.unexpected_errors.labels(task="publisher").inc()
+            raise UnexpectedError(f"unexpected {first_line(exc)}") from exc
         finally:
             self._awake()
         if outcome.from_first_entry:

@@ -172,12 +172,24 @@ def test_a_failure_is_recorded_on_the_span(db_url, stream, start_relay, sink):
     assert database.dead_count(db_url, 20) == 1
 
 
-def test_without_an_endpoint_nothing_is_exported(db_url, stream, start_relay, sink):
-    relay = start_relay(poll_interval="200ms")
+@pytest.mark.parametrize(
+    "off",
+    [
+        {},  # no endpoint: the relay's log and the message's header say tracing is off
+        {"OTEL_SDK_DISABLED": "true"},
+        {"OTEL_TRACES_EXPORTER": "none"},
+    ],
+)
+def test_with_tracing_off_nothing_is_exported(db_url, stream, start_relay, sink, off):
+    # With the sink named as the endpoint, OTEL_SDK_DISABLED or OTEL_TRACES_EXPORTER
+    # turn tracing off: the sink would count anything exported.
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint} if off else {}
+    relay = start_relay(poll_interval="200ms", environment={**endpoint, **off})
     event = Event(stream.subject("order.paid"), "order-3", {"amount": 5})
     insert_with(db_url, event, traceparent=TRACEPARENT)
     wait_until(lambda: len(stream.read()) == 1, message="published")
     # No span of the relay's: the header carries the producer's context unchanged.
     assert stream.read()[0].headers["traceparent"] == TRACEPARENT
-    assert "OpenTelemetry" not in relay.logs()
+    assert "OpenTelemetry tracing on" not in relay.logs()
+    relay.stop()  # an SDK would flush its spans at exit
     assert sink.requests == 0

@@ -473,6 +473,14 @@ def test_a_warning_repeated_every_half_second_is_logged_once_a_minute(caplog):
     ]
 
 
+def test_warnings_of_one_kind_that_each_name_a_row_are_logged_once_a_minute(caplog):
+    warnings = RepeatedWarnings(logging.getLogger("test.repeated"), every=60.0)
+    with caplog.at_level(logging.WARNING, logger="test.repeated"):
+        for n in range(100):
+            warnings.warn(f"row {n}: traceparent 'x' is not W3C", now=n * 0.5, key="traceparent")
+    assert [r.getMessage() for r in caplog.records] == ["row 0: traceparent 'x' is not W3C"]
+
+
 def test_a_start_failure_found_by_a_task_is_one_line_not_a_traceback():
     setup = SetupError("this nats-py has no _pending write queue")
     assert start_failure(setup) is setup

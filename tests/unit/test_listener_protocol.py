@@ -376,7 +376,25 @@ def test_a_self_check_never_heard_leaves_the_relay_on_its_poll():
     assert "LISTEN" not in (world.health.not_ready_reason() or "")
     assert world.metrics.poll_only._value.get() == 1
     assert world.server.holder is None
-    assert len(world.server.connections) == 1  # and never connects again
+
+
+def test_after_a_check_never_heard_the_listener_connects_again_only_to_check_again():
+    world = CheckedWorld(delivers=False)
+    connections: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world.listener.run)
+            await world.until(lambda: bool(world.health.poll_only))
+            await trio.sleep(SELF_CHECK_AGAIN - 5)
+            connections.append(len(world.server.connections))  # none meanwhile
+            await world.until(lambda: len(world.checked) == 2, limit=60, step=0.5)
+            connections.append(len(world.server.connections))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert connections == [1, 2]
+    assert world.checked == [False, False]
 
 
 def test_poll_only_never_connects():

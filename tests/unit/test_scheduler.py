@@ -4,6 +4,7 @@ broker link, and trio's virtual clock."""
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from itertools import pairwise
@@ -292,6 +293,27 @@ def test_a_failing_database_is_retried_with_growing_pauses_and_reported():
         assert starts[-1] >= 3.1
 
     run(test)
+
+
+def test_an_unexpected_error_in_a_batch_is_counted_retried_and_never_stops_the_relay(caplog):
+    # A bug of the relay's or a library's (here, a row its parser could not read):
+    # the batch rolls back, the scheduler logs the traceback and goes on, the rows
+    # wait with their attempts untouched, and the next batches publish them.
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.table.failures = [ValueError("number is infinity when parsed as double")] * 3
+        world.table.pending = 1
+        world.wakeup.set("notify")
+        await world.asleep()
+        assert world.table.pending == 0
+        assert world.metric("outbox_relay_unexpected_errors_total", task="publisher") == 3
+        assert world.metric("outbox_relay_database_errors_total", task="publisher") == 0
+
+    with caplog.at_level(logging.WARNING):
+        run(test)
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 3
+    assert tracebacks[0].getMessage() == "a batch failed for a reason the relay did not expect"
 
 
 def test_a_broker_that_acknowledges_nothing_is_waited_out_not_hammered():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from relay import app
+from relay.config import Config
 from relay.errors import ConfigError
 from relay.headers import TraceContext
 from relay.tracing import (
@@ -179,8 +181,19 @@ def test_the_link_limit_is_the_sdks_variable_or_ours(environ, limit):
 
 
 @pytest.mark.parametrize("value", ["-1", "many", "1.5"])
-def test_a_link_limit_the_sdk_would_refuse_stops_the_start_in_one_line(monkeypatch, value):
-    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", value)
+def test_a_link_limit_the_sdk_would_refuse_stops_the_start_in_one_line(monkeypatch, caplog, value):
+    # The relay's own start, as `outbox-relay run` makes it: exit status 2 and one
+    # line, before any server is reached (none answers at these addresses).
+    for name, setting in {**ENDPOINT, "OTEL_SPAN_LINK_COUNT_LIMIT": value}.items():
+        monkeypatch.setenv(name, setting)
+    config = Config(
+        database_url="postgresql://127.0.0.1:1/x", nats_urls=("nats://127.0.0.1:1",),
+        metrics_port=0,
+    )  # fmt: skip
+    assert app.run(config) == 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"OTEL_SPAN_LINK_COUNT_LIMIT: a non-negative integer or 'unset', not {value!r}"
+    ]
     with pytest.raises(ConfigError, match="OTEL_SPAN_LINK_COUNT_LIMIT: a non-negative integer"):
         start_tracing({**ENDPOINT, "OTEL_SPAN_LINK_COUNT_LIMIT": value})
 
