@@ -73,6 +73,12 @@ def _uuid(text: str) -> uuid.UUID:
         raise argparse.ArgumentTypeError(f"not a uuid: {text!r}") from None
 
 
+def _add_window_and_json(parser: argparse.ArgumentParser, since_help: str) -> None:
+    """The window and the output format of a command that reads rows back."""
+    parser.add_argument("--since", type=_duration, metavar="DURATION", help=since_help)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> None:
     for option in options:
         if option.test_only:
@@ -183,13 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status: 0 nothing missing, 1 rows missing (repaired or not), 2 a usage or "
         "connection error.",
     )
-    audit.add_argument(
-        "--since",
-        type=_duration,
-        metavar="DURATION",
-        help="how far back to look (default: --audit-window, else --retention)",
-    )
-    audit.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_window_and_json(audit, "how far back to look (default: --audit-window, else --retention)")
     audit.add_argument(
         "--repair",
         action="store_true",
@@ -205,10 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         "schema. Exit status: 0 all valid, 1 some invalid (listed with their reasons), 2 a "
         "usage or connection error.",
     )
-    validate_command.add_argument(
-        "--since", type=_duration, metavar="DURATION", help="only rows written this recently"
-    )
-    validate_command.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_window_and_json(validate_command, "only rows written this recently")
     _add_options(validate_command, _options_for("validate"))
     bench = commands.add_parser(
         "bench",

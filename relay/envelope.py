@@ -73,8 +73,7 @@ def message_for(
     problem = subject_problem(row.event_type)
     if problem is not None:
         return Rejection(FailureReason.INVALID_SUBJECT, f"{problem}: {row.event_type[:200]!r}")
-    build = build_binary_message if settings.binary else build_message
-    message = build(row, row.time, trace, extra, hop)
+    message = build_message(row, row.time, trace, extra, hop, binary=settings.binary)
     problem = size_problem(message.wire_size, settings.max_payload)
     if problem is not None:
         return Rejection(FailureReason.TOO_LARGE, problem)
@@ -91,6 +90,8 @@ def build_message(
     trace: TraceContext | None = None,
     extra_headers: Mapping[str, str] | None = None,
     hop: TraceContext | None = None,
+    *,
+    binary: bool = False,
 ) -> Message:
     """The envelope for ``row`` (whose RFC 3339 ``time`` the caller checked): the
     row's id is the envelope id and the dedupe key (``Nats-Msg-Id``), so a republish
@@ -101,7 +102,11 @@ def build_message(
     CloudEvents distributed-tracing extension, and in the ``traceparent`` and
     ``tracestate`` headers unless the relay's own span (``hop``) takes them, as the
     extension's rule for each hop has it; ``extra_headers``, the row's own (guarded),
-    go in headers."""
+    go in headers. ``binary``: the CloudEvents binary content mode
+    (:func:`_binary_message`) instead of the structured JSON envelope."""
+    headers = _headers(row.id, extra_headers, hop or trace)
+    if binary:
+        return _binary_message(row, time, trace, headers)
     row_id = row.id
     extension = ""
     if trace is not None:
@@ -127,7 +132,7 @@ def build_message(
         + row.data
         + "}"
     )
-    return Message(row.event_type, body.encode(), _headers(row_id, extra_headers, hop or trace))
+    return Message(row.event_type, body.encode(), headers)
 
 
 def _headers(
@@ -157,19 +162,14 @@ def percent_encode(value: str) -> str:
     return "".join(chr(byte) if byte in _HEADER_SAFE else f"%{byte:02X}" for byte in value.encode())
 
 
-def build_binary_message(
-    row: OutboxRow,
-    time: str,
-    trace: TraceContext | None = None,
-    extra_headers: Mapping[str, str] | None = None,
-    hop: TraceContext | None = None,
+def _binary_message(
+    row: OutboxRow, time: str, trace: TraceContext | None, headers: dict[str, str]
 ) -> Message:
     """The event in the CloudEvents binary content mode (``--envelope binary``): the
-    body is the data alone, each attribute a ``ce-`` header, ``content-type`` the
-    data's. The producer's trace context is the ``ce-traceparent`` and
-    ``ce-tracestate`` extension attributes; the ``traceparent`` header is this hop's,
-    as in :func:`build_message`."""
-    headers = _headers(row.id, extra_headers, hop or trace)
+    body is the data alone, each attribute a ``ce-`` header beside ``headers`` (the
+    ones both modes send), ``content-type`` the data's. The producer's trace context
+    is the ``ce-traceparent`` and ``ce-tracestate`` extension attributes; the
+    ``traceparent`` header is this hop's, as in :func:`build_message`."""
     headers.update(
         {
             "ce-specversion": "1.0",

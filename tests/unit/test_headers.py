@@ -12,7 +12,6 @@ from relay.envelope import (
     MSG_ID_HEADER,
     Message,
     MessageSettings,
-    build_binary_message,
     build_message,
     message_for,
     percent_encode,
@@ -179,7 +178,7 @@ def test_binary_mode_puts_the_data_in_the_body_and_each_attribute_in_a_ce_header
 
 def test_binary_mode_hop_context_takes_the_header_the_producers_stays_an_attribute():
     hop = TraceContext("00-11111111111111111111111111111111-2222222222222222-01", None)
-    built = build_binary_message(row(), "t", TraceContext(TRACEPARENT, None), None, hop)
+    built = build_message(row(), "t", TraceContext(TRACEPARENT, None), None, hop, binary=True)
     assert built.headers["traceparent"] == hop.traceparent
     assert built.headers["ce-traceparent"] == TRACEPARENT
 
