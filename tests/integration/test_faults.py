@@ -428,7 +428,7 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
         database.install(pg.url)
         stream = TestStream(nats.url, **STREAM_ALLOWING[publish_mode])
         campaign = Campaign(
-            pg.url, stream, producers=6, poison_rate=0.01, pause=0.001, hostile=True
+            pg.url, stream, producers=6, poison_rate=0.01, pause=0.001, hostile_rate=0.02
         ).start()
         with proxy_to(pg.port) as pg_proxy, proxy_to(nats.port) as nats_proxy:
             via = {

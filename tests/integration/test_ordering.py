@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def test_every_way_postgres_accepts_a_row_keeps_per_subject_order(db_url, stream, start_relay):
     relay = start_relay(**FAST)
     campaign = Campaign(
-        db_url, stream, producers=8, subjects_per_producer=3, pause=0.01, hostile=True
+        db_url, stream, producers=8, subjects_per_producer=3, pause=0.01, hostile_rate=1.0
     ).start()
     try:
         campaign.wait_for(600, timeout=180)

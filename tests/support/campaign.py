@@ -44,9 +44,10 @@ POISON_TYPES = ["bad subject", "x.*", "a..b", ".lead", "", "$SYS.nope"]
 GOOD_KINDS = ("odd", "big_ok", "late_stream")
 
 # Ways a producer writes that Postgres accepts and the start key's model does not
-# assume (issue 39), drawn per transaction with hostile=True. Each keeps a subject's
+# assume (issue 39), drawn per transaction. Each keeps a subject's
 # created_at rising with its sequence (the producer owns its subjects and commits
-# them one at a time), so any reordering the checker sees is the relay's.
+# them one at a time), so any reordering the checker sees is the relay's. A share of
+# the transactions (hostile_rate) is drawn this way, the rest are plain.
 HOSTILE_KINDS = (
     "plain",
     "pause_before",  # reads for a while first: created_at (now()) is old at the insert
@@ -92,7 +93,7 @@ class Campaign:
         rollback_rate: float = 0.05,
         poison_rate: float = 0.0,
         pause: float = 0.002,
-        hostile: bool = False,
+        hostile_rate: float = 0.0,
     ) -> None:
         self.db_url = db_url
         self.stream = stream
@@ -100,7 +101,7 @@ class Campaign:
         self.rollback_rate = rollback_rate
         self.poison_rate = poison_rate
         self.pause = pause
-        self.hostile = hostile
+        self.hostile_rate = hostile_rate
         # Published rows an operator put back by hand (published_at set to null).
         self.put_back: list[str] = []
         # Committed rows by the hostile kind of their write.
@@ -124,7 +125,7 @@ class Campaign:
         self._threads: list[threading.Thread] = []
         with psycopg.connect(db_url, autocommit=True) as conn:
             conn.execute(DOMAIN)
-            if hostile:
+            if hostile_rate:
                 conn.execute(SERVICE_TRIGGER)
 
     # -- producing ---------------------------------------------------------------
@@ -134,7 +135,7 @@ class Campaign:
             thread = threading.Thread(target=self._produce, args=(producer,), daemon=True)
             thread.start()
             self._threads.append(thread)
-        if self.poison_rate or self.hostile:
+        if self.poison_rate or self.hostile_rate:
             self._operator = threading.Thread(target=self._operate, daemon=True)
             self._operator.start()
         return self
@@ -176,7 +177,7 @@ class Campaign:
         while not self._operator_stop.wait(0.3):
             try:
                 self.skip_dead_poison()
-                if self.hostile and not self._stop.is_set():
+                if self.hostile_rate and not self._stop.is_set():
                     self.put_one_back()
             except psycopg.Error:
                 continue  # the database is down for a fault: try again
@@ -255,7 +256,7 @@ class Campaign:
             with self._lock:
                 (self.odd if kind in GOOD_KINDS else self.poison).add(event_id)
         rollback = rng.random() < self.rollback_rate
-        hostile = rng.choice(HOSTILE_KINDS) if self.hostile else "plain"
+        hostile = rng.choice(HOSTILE_KINDS) if rng.random() < self.hostile_rate else "plain"
         created_at = "clock_timestamp()"
         if hostile == "pause_before":
             conn.execute("select 1")  # the transaction begins: now() is taken
