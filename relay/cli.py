@@ -247,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
         "drain (about 6 minutes; tracing needs the otel extra)",
     )
     bench.add_argument(
+        "--hostile",
+        action="store_true",
+        help="instead: rows and settings Postgres accepts that once broke the relay, one at "
+        "a time beside steady load, on a non-ISO DateStyle (about 2 minutes)",
+    )
+    bench.add_argument(
         "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
     )
     bench.add_argument(
@@ -376,7 +382,7 @@ def _validate(args: argparse.Namespace, config: Config) -> int:
 
 # The tools (relay_tools) are imported only by the commands that use them: they
 # start servers, and `outbox-relay run` has no use for them.
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per bench mode
     from relay_tools.bench.command import main as bench_main  # noqa: PLC0415
     from relay_tools.localservers import MissingServerBinary  # noqa: PLC0415
 
@@ -398,6 +404,11 @@ def _bench(args: argparse.Namespace) -> int:
 
             features_plan = features.FeaturesPlan.quick() if args.quick else features.FeaturesPlan()
             return features.main(args.database_url, args.nats_url, features_plan, args.json)
+        if args.hostile:
+            from relay_tools.bench import hostile  # noqa: PLC0415
+
+            hostile_plan = hostile.HostilePlan.quick() if args.quick else hostile.HostilePlan()
+            return hostile.main(args.database_url, args.nats_url, hostile_plan, args.json)
         if args.poolers:
             from relay_tools.bench import poolers  # noqa: PLC0415
 
@@ -416,7 +427,7 @@ def _bench_and_plot(args: argparse.Namespace) -> int:
     source = args.from_json
     code = 0
     if source is None:
-        if args.poolers or args.features:
+        if args.poolers or args.features or args.hostile:
             print("outbox-relay bench: --plot charts the bench and the soak", file=sys.stderr)
             return 2
         with tempfile.TemporaryDirectory() as scratch:

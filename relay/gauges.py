@@ -26,9 +26,17 @@ BACKLOG_DUTY = 20.0
 # A horizon held longer than this is logged (once, then when it lets go).
 HORIZON_WARNING = 300.0
 
-# How often the sweep looks for a live row before where the claims start (a row put
-# back by hand, a clock stepped back): found within this, and published.
+# How often the sweep looks for a live row before where the claims start (what the
+# late-row triggers and the claims' guard cannot see: a row put back while the
+# triggers were off between two claims): found within this, and published.
 SWEEP_INTERVAL = 60.0
+
+
+def sweep_now(horizon_seconds: float) -> bool:
+    """Whether the sweep may run: its walk from the claim index's first entry pays
+    for every dead entry a held horizon keeps (and timed out, every minute, under a
+    long hold), so it waits while the horizon has been held for a sweep interval."""
+    return horizon_seconds < SWEEP_INTERVAL
 
 
 def next_backlog_read(started: float, took: float, interval: float) -> float:
@@ -43,6 +51,7 @@ class _Horizon:
     def __init__(self) -> None:
         self.clock = XidClock()
         self.warned = False
+        self.seconds = 0.0  # how long the oldest holder has held it, at the last read
 
     async def read(self, config: Config, database: Database, metrics: Metrics) -> None:
         now = trio.current_time()
@@ -51,6 +60,7 @@ class _Horizon:
         metrics.table_dead_tuples.set(health.dead_tuples)
         metrics.table_bytes.set(health.total_bytes)
         seconds = holder_seconds(holders[0], self.clock, health.next_xid, now) if holders else 0.0
+        self.seconds = seconds
         metrics.horizon_age.set(seconds)
         metrics.horizon_xids.set(holders[0].xids if holders else 0)
         if seconds > HORIZON_WARNING and not self.warned:
@@ -98,7 +108,7 @@ async def run_gauges(config: Config, database: Database, metrics: Metrics) -> No
             await _attempt("read the backlog", _read_backlog(config, database, metrics), metrics)
             took = trio.current_time() - started
             backlog_due = next_backlog_read(started, took, config.gauge_interval)
-        if now >= sweep_due:
+        if now >= sweep_due and sweep_now(horizon.seconds):
             sweep_due = now + SWEEP_INTERVAL
             await _attempt("sweep before the claims' start", _sweep(config, database), metrics)
         await trio.sleep(config.gauge_interval)

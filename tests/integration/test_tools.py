@@ -217,6 +217,39 @@ def test_the_features_quick_mode_drains_each_arrangement(tmp_path):
     assert result.stdout.count("[figure]") == 3
 
 
+def test_the_hostile_quick_mode_settles_every_case_in_order_with_the_relay_up(tmp_path):
+    """Issue 39's cases beside steady load on a non-ISO DateStyle, through the
+    relay as an operator runs it: each row published in order or dead with a reason
+    inside it, nothing of the producer's in the envelope, the relay never down. Its
+    figures (seconds, p99) are printed, never asserted."""
+    out = tmp_path / "hostile.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "bench", "--hostile", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads(out.read_text())
+    outcomes = {case["case"]: case["outcome"] for case in document["cases"]}
+    dead = {name: outcome for name, outcome in outcomes.items() if outcome != "published"}
+    wide = "a header 1.2 MB in UTF-8 (600k characters)"
+    assert set(dead) == {"data 3,000 deep, --schemas", "headers 3,000 deep", wide}
+    assert dead["data 3,000 deep, --schemas"] == (
+        "dead: invalid_data: schema: the data nested deeper than the relay reads"
+    )
+    assert dead["headers 3,000 deep"] == (
+        "dead: invalid_headers: headers: a JSON object of strings is expected: nested deeper "
+        "than the relay reads"
+    )
+    # Its bytes: the 1.2 MB value, the Nats-Msg-Id, and an envelope whose size varies.
+    assert dead[wide].startswith("dead: too_large: message is 1200"), dead[wide]
+    assert dead[wide].endswith(" bytes, over the server's max_payload 1048576"), dead[wide]
+    assert all(case["in_order"] in (True, None) for case in document["cases"])
+    assert all(case["envelope_keys_ok"] for case in document["cases"])
+    assert document["relay_stayed_up"]
+    assert document["events"] > 0
+
+
 def assert_charts(directory: Path, *names: str) -> None:
     """Each chart is there, a PNG with something drawn in it."""
     assert sorted(p.name for p in directory.iterdir()) == sorted(names)

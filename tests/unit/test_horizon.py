@@ -3,7 +3,7 @@ while one holds it: pure logic, no server."""
 
 from __future__ import annotations
 
-from relay.gauges import BACKLOG_DUTY, next_backlog_read
+from relay.gauges import BACKLOG_DUTY, SWEEP_INTERVAL, next_backlog_read, sweep_now
 from relay.horizon import XID_CLOCK_SPAN, Holder, XidClock, describe, holder_seconds
 from relay.retention import FROM_RECENT_ROWS, FULL_PASS_INTERVAL, RetentionCursor
 
@@ -93,3 +93,10 @@ def test_a_failed_full_pass_gives_way_to_the_passes_and_is_tried_an_interval_lat
     assert cursor.after == "2026-12-04 10:05:00+00"
     cursor.start_pass(2 * FULL_PASS_INTERVAL)
     assert cursor.after == "-infinity"
+
+
+def test_the_sweep_waits_while_the_horizon_is_held_and_runs_once_it_lets_go():
+    assert sweep_now(0.0)
+    assert sweep_now(SWEEP_INTERVAL - 1)
+    assert not sweep_now(SWEEP_INTERVAL)
+    assert not sweep_now(3600.0)
