@@ -266,7 +266,8 @@ def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
 
 # How much later than its created_at a row may be inserted and not be flagged late
 # (relay/claimstart.py): in the trigger's test, and in the claim's walk back.
-LATE_INSERT = sql.SQL("make_interval(secs => {})").format(sql.Literal(LATE_INSERT_SECONDS))
+# A constant, folded once: make_interval() was evaluated for every inserted row.
+LATE_INSERT = sql.SQL("interval {}").format(sql.Literal(f"{LATE_INSERT_SECONDS} seconds"))
 
 # The claim's parameters are slots in sql/queries.sql, not %(name)s: as they are,
 # bound parameters; when the relay prepares the claim, $1 to $5, typed in PREPARE.

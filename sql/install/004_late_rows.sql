@@ -87,22 +87,22 @@ begin
     alter table {table} enable always trigger {revive_trigger};
   end if;
 
-  -- Live rows left without a number (written while an earlier install's trigger
-  -- did not fire), numbered in the order earlier relays published them in, and
-  -- flagged late: reads the unpublished rows once (the contract's index).
-  update {table} t
-     set relay_seq = o.seq, relay_late = true
-    from (select id, nextval({seq_name}::regclass) as seq
-            from (select id from {table}
-                   where published_at is null and relay_seq is null
-                   order by created_at, id) unnumbered) o
-   where t.id = o.id;
-
   -- A live row always has its place among the inserts. NOT VALID: rows already there
   -- are not read (published rows from before the first install have none); every
   -- insert and update from now on is checked, whatever the session's replication role.
+  -- Once, with it: live rows left without a number (written while an earlier
+  -- install's trigger did not fire) are numbered in the order earlier relays
+  -- published them in, and flagged late (reads the unpublished rows once, through
+  -- the contract's index). A reinstall does neither, and takes no lock on the table.
   if not exists (select 1 from pg_constraint
                   where conrelid = {table_name}::regclass and conname = {seq_check_name}) then
+    update {table} t
+       set relay_seq = o.seq, relay_late = true
+      from (select id, nextval({seq_name}::regclass) as seq
+              from (select id from {table}
+                     where published_at is null and relay_seq is null
+                     order by created_at, id) unnumbered) o
+     where t.id = o.id;
     alter table {table} add constraint {seq_check}
       check (relay_seq is not null or published_at is not null) not valid;
   end if;
