@@ -120,10 +120,10 @@ class ClaimStart:
         else:
             self._key = StartKey(summary.start_at, summary.start_seq, bound)
 
-    def rewind(self, why: str = "a live row sits before the start key") -> None:
+    def rewind(self, why: str | None = None) -> None:
         """Walk from the first entry at the next claim (the sweep found a row before
-        the start key, or the claim's guard was off)."""
-        if not self._rewind:
+        the start key, and said so; or a claim found what ``why`` says)."""
+        if why is not None and not self._rewind:
             self.rewound_for = why
         self._rewind = True
 

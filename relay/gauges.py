@@ -34,7 +34,7 @@ SWEEP_INTERVAL = 60.0
 
 def sweep_now(horizon_seconds: float) -> bool:
     """Whether the sweep may run: its walk from the claim index's first entry pays
-    for every dead entry a held horizon keeps (and timed out, every minute, under a
+    for every dead entry a held horizon keeps (and may time out, every minute, under a
     long hold), so it waits while the horizon has been held for a sweep interval."""
     return horizon_seconds < SWEEP_INTERVAL
 
