@@ -219,12 +219,17 @@ class Target:
 
 
 class Consumer:
-    """A core NATS subscription on the stream's subjects, noting arrival times."""
+    """A core NATS subscription on the stream's subjects, noting arrival times; with
+    ``keep_order``, also every arrival's id in order (copies too) and each message's
+    envelope while it is small."""
 
-    def __init__(self, nats_url: str, subject: str) -> None:
+    def __init__(self, nats_url: str, subject: str, *, keep_order: bool = False) -> None:
         self._url = nats_url
         self._subject = subject
         self.arrived: dict[str, float] = {}
+        self._keep_order = keep_order
+        self.order: list[str] = []
+        self.envelopes: dict[str, dict[str, Any]] = {}
         self._nc: Client | None = None
 
     async def __aenter__(self) -> Consumer:
@@ -233,6 +238,10 @@ class Consumer:
         async def on_message(msg: Msg) -> None:
             msg_id = (msg.headers or {}).get("Nats-Msg-Id", "")
             self.arrived.setdefault(msg_id, time.perf_counter())
+            if self._keep_order:
+                self.order.append(msg_id)
+                if msg_id not in self.envelopes and len(msg.data) < 100_000:
+                    self.envelopes[msg_id] = json.loads(msg.data)
 
         await self._nc.subscribe(self._subject, cb=on_message, pending_msgs_limit=2_000_000)
         await self._nc.flush()

@@ -20,10 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import nats
 import psycopg
-from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from relay_tools.bench.harness import (
     INSERT,
@@ -67,34 +64,6 @@ class HostileReport:
     p99_ms: float = 0.0
     events: int = 0
     relay_stayed_up: bool = False
-
-
-class OrderedConsumer:
-    """Every message's id and envelope, in arrival order."""
-
-    def __init__(self, nats_url: str, subject: str) -> None:
-        self._url = nats_url
-        self._subject = subject
-        self.order: list[str] = []
-        self.envelopes: dict[str, dict[str, object]] = {}
-        self._nc: Client | None = None
-
-    async def __aenter__(self) -> OrderedConsumer:
-        self._nc = await nats.connect(self._url)
-
-        async def on_message(msg: Msg) -> None:
-            msg_id = (msg.headers or {}).get("Nats-Msg-Id", "")
-            self.order.append(msg_id)
-            if msg_id not in self.envelopes and len(msg.data) < 100_000:
-                self.envelopes[msg_id] = json.loads(msg.data)
-
-        await self._nc.subscribe(self._subject, cb=on_message, pending_msgs_limit=2_000_000)
-        await self._nc.flush()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._nc is not None:
-            await self._nc.close()
 
 
 @dataclass(frozen=True)
@@ -231,7 +200,7 @@ async def _settled(target: Target, row_id: str) -> str | None:
     return f"dead: {error}" if dead else None
 
 
-async def _run_case(case: Case, target: Target, consumer: OrderedConsumer) -> CaseResult:
+async def _run_case(case: Case, target: Target, consumer: Consumer) -> CaseResult:
     row_id, after = str(uuid.uuid4()), str(uuid.uuid4())
     subject = f"hostile-{uuid.uuid4().hex[:8]}"
     await case.write(target, row_id, subject)
@@ -280,15 +249,14 @@ async def measure_hostile(target: Target, plan: HostilePlan) -> HostileReport:
         relay = RelayProcess(target.url, target.nats_url, schemas=schemas)
         async with (
             relay,
-            OrderedConsumer(target.nats_url, f"{target.prefix}.>") as ordered,
-            Consumer(target.nats_url, f"{target.prefix}.>") as steady,
+            Consumer(target.nats_url, f"{target.prefix}.>", keep_order=True) as steady,
         ):
             await wait_until_ready(target)
 
             async def inject() -> None:
                 await asyncio.sleep(3)
                 for case in CASES:
-                    report.cases.append(await _run_case(case, target, ordered))
+                    report.cases.append(await _run_case(case, target, steady))
 
             load = asyncio.create_task(
                 produce_at_rate(target.url, target.event_type, plan.rate, plan.seconds)
