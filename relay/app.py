@@ -1,10 +1,11 @@
 """`outbox-relay run`: one trio nursery holding every task of the relay.
 
 Tasks: the signal watcher, the metrics/health server, the NATS connector, the
-LISTEN task, the fallback poll timer, the scheduler loop, the table gauges,
-retention, and the audit of the streams (with --audit-interval). Shutdown goes
-through trio: SIGTERM or SIGINT stops claiming, lets the batch in flight finish
-inside the publish timeout, then cancels the rest.
+LISTEN task, the fallback poll timer, the scheduler loop, the table gauges, the
+poll of the table's writers (relay/writers.py), retention, and the audit of the
+streams (with --audit-interval). Shutdown goes through trio: SIGTERM or SIGINT
+stops claiming, lets the batch in flight finish inside the publish timeout, then
+cancels the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from relay.schemas import SchemaCheck, Schemas
 from relay.streams import short_duplicate_windows
 from relay.tracing import start_tracing
 from relay.wakeup import Wakeup
+from relay.writers import run_writer_polls
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +284,7 @@ class Relay:
         nursery.start_soon(self.listener.run)
         nursery.start_soon(self._poll)
         nursery.start_soon(run_gauges, config, self.database, self.metrics)
+        nursery.start_soon(run_writer_polls, self.database, self.metrics)
         nursery.start_soon(run_retention, config, self.database, self.metrics)
         if config.audit_interval:
             nursery.start_soon(run_audits, config, self.broker, self.metrics)

@@ -12,15 +12,20 @@ since. So each claim starts at the earliest of:
   inserted within :data:`LATE_INSERT_SECONDS` of its ``created_at`` unless the
   late-insert trigger flagged it, and flagged rows the claim finds by themselves.
 
-Until the relay has seen a claim whose xid is older than a snapshot's xmin (at
-start, or while a transaction that has written stays open), the bound is unknown
-and the claim walks from the first entry, as every claim did before.
+That bound is lost while any transaction with an xid stays open (a session idle
+in its transaction after a write, a prepared transaction). The table's writers
+(relay/writers.py) give a second bound that only a transaction that has written
+to this table can hold back, and only for the claims whose snapshot sees it
+finished; each claim uses the later of the two. While neither is known (at start),
+the claim walks from the first entry, as every claim did before.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from relay.writers import NO_POLL, UNKNOWN, WriterPoll
 
 # A row inserted more than this long after its created_at is flagged late by the
 # trigger (sql/install/004_late_rows.sql), and every claim walks back this far
@@ -39,7 +44,12 @@ class StartKey:
 
     start_at: str
     start_seq: int
-    bound_at: str
+    bound_at: str  # the snapshots' bound
+    # The writers' bound: when the poll of the table's writers began, and the
+    # writers it saw with their own bounds, as Postgres array literals.
+    locks_at: str = UNKNOWN
+    writer_xids: str = "{}"
+    writer_since: str = "{}"
 
 
 # Every walk from the index's first entry: the claim as it was before start keys.
@@ -58,6 +68,9 @@ class ClaimSummary:
     # The claim's guard was off: a late-row trigger did not fire ALWAYS, or the clock
     # was behind the bound. The claim walked from the first entry.
     guard_off: bool = False
+    finished_writers: frozenset[int] = frozenset()  # xids its snapshot saw finished
+    from_first_entry: bool = False  # its walks started at the first entry
+    bound_at: str = UNKNOWN  # the bound it walked from (less the late-insert slack)
 
 
 # Earlier claims kept for the bound. While a transaction that has written holds the
@@ -75,9 +88,15 @@ def thinned(claims: deque[tuple[int, str]]) -> deque[tuple[int, str]]:
     return deque(kept)
 
 
+def array_literal(values: list[str]) -> str:
+    """A Postgres array literal of ``values``, each quoted (timestamps have spaces)."""
+    return "{" + ",".join(f'"{v}"' for v in values) + "}"
+
+
 class ClaimStart:
     """The start key, carried from claim to claim. Claims must be fed in the order
-    they ran (the relay's claims take turns)."""
+    they ran (the relay's claims take turns): :meth:`sending` as each is sent,
+    :meth:`observe` with its summary."""
 
     def __init__(self) -> None:
         self._key = FROM_FIRST_ENTRY
@@ -88,12 +107,51 @@ class ClaimStart:
         self._claims: deque[tuple[int, str]] = deque()
         # Why the last rewind happened, for the log (None: none pending).
         self.rewound_for: str | None = None
+        # The table's writers: the newest poll, the newest when the last claim was
+        # sent, and the one the next claim rests on (it finished before the claim
+        # whose first live entry the next claim starts from began).
+        self._latest_poll = NO_POLL
+        self._sent_poll = NO_POLL
+        self._poll = NO_POLL
+        # Writers a claim saw finished: its first live entry covers their rows.
+        self._finished: set[int] = set()
+        self.walked_from_first_entry = True
+        self.walked_bound = UNKNOWN
+
+    def offer(self, poll: WriterPoll) -> None:
+        """A poll of the table's writers has finished."""
+        self._latest_poll = poll
 
     def key(self) -> StartKey:
-        return FROM_FIRST_ENTRY if self._rewind else self._key
+        """Where the next claim starts."""
+        poll = self._poll
+        if self._rewind or (self._key.bound_at == UNKNOWN and not poll.known):
+            return FROM_FIRST_ENTRY
+        if not poll.known:
+            return self._key
+        writers = [w for w in poll.writers if w.xid not in self._finished]
+        return replace(
+            self._key,
+            locks_at=poll.polled_at,
+            writer_xids="{" + ",".join(str(w.xid) for w in writers) + "}",
+            writer_since=array_literal([w.since for w in writers]),
+        )
+
+    def sending(self) -> StartKey:
+        """The key for a claim being sent now."""
+        self._sent_poll = self._latest_poll
+        return self.key()
 
     def observe(self, summary: ClaimSummary, used: StartKey) -> None:
         """Take the summary of a claim that ran from ``used``."""
+        self.walked_from_first_entry = summary.from_first_entry
+        self.walked_bound = summary.bound_at
+        # The poll that finished before this claim was sent bounds what the next
+        # claim may see that this one did not.
+        self._poll = self._sent_poll
+        self._finished |= summary.finished_writers
+        current = {w.xid for p in (self._poll, self._latest_poll) for w in p.writers}
+        self._finished &= current
         if summary.guard_off:
             # Rows may have been written that no trigger flagged: walk from the first
             # entry until a claim that did so finds the guard on again.
@@ -108,17 +166,16 @@ class ClaimStart:
         while len(self._claims) > 1 and self._claims[1][0] < summary.xmin:
             self._claims.popleft()
         bound = self._claims[0][1] if self._claims and self._claims[0][0] < summary.xmin else None
-        if bound is None:
-            self._key = FROM_FIRST_ENTRY
-        elif summary.start_at is None:
-            self._key = StartKey("infinity", MAX_SEQ, bound)
+        bound_at = UNKNOWN if bound is None else bound
+        if summary.start_at is None:
+            self._key = StartKey("infinity", MAX_SEQ, bound_at)
         elif summary.start_seq is None:
             # A live row without its place among the inserts: the table's check
             # (sql/install/004_late_rows.sql) is missing. No key can name it.
             self._key = FROM_FIRST_ENTRY
             self.rewind("a live row has no relay_seq")
         else:
-            self._key = StartKey(summary.start_at, summary.start_seq, bound)
+            self._key = StartKey(summary.start_at, summary.start_seq, bound_at)
 
     def rewind(self, why: str | None = None) -> None:
         """Walk from the first entry at the next claim (the sweep found a row before
@@ -133,6 +190,10 @@ class ClaimStart:
         why, self.rewound_for = self.rewound_for, None
         return why
 
-    @property
-    def walks_from_first_entry(self) -> bool:
-        return self.key().bound_at == "-infinity"
+    def sweep_key(self) -> StartKey | None:
+        """Where the claims start, for the sweep (None: they walk from the first
+        entry, and the sweep has nothing to look for)."""
+        key = self.key()
+        if key == FROM_FIRST_ENTRY or self.walked_bound == UNKNOWN:
+            return None
+        return StartKey(key.start_at, key.start_seq, self.walked_bound)

@@ -36,6 +36,8 @@ log = logging.getLogger("relay")
 _SQL_OPTIONS = ("database_url", "table", "channel", "log_level", "log_format")
 _OPERATOR_OPTIONS = (*_SQL_OPTIONS, "max_attempts")
 OPERATOR_COMMANDS = ("status", "requeue", "skip")
+# relay_tools.bench.soak.HOLDERS, named here so that `run` never imports the tools.
+SOAK_HOLDERS = ("report", "writer", "outbox-writer", "prepared", "standby")
 _NATS_OPTIONS = (
     "nats_url", "nats_creds", "nats_nkey", "nats_token", "nats_tls_ca", "nats_tls_cert",
     "nats_tls_key",
@@ -258,6 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--rate", type=float, metavar="N", help="with --soak: events/s (default 1500)"
     )
+    bench.add_argument(
+        "--holder",
+        choices=SOAK_HOLDERS,
+        help="with --soak: what holds the horizon (default report): a repeatable-read "
+        "report, a writer idle in its transaction, a writer of an outbox row committing at "
+        "the end, a prepared transaction that wrote one, a report on a hot standby",
+    )
+    bench.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="with --soak: relays sharing the table (default 1)",
+    )
     demo = commands.add_parser(
         "demo",
         help="see it work: throwaway servers, a producer, the relay and a consumer",
@@ -398,6 +413,10 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
                 plan = dataclasses.replace(plan, hold=args.hold)
             if args.rate is not None:
                 plan = dataclasses.replace(plan, rate=args.rate)
+            if args.holder is not None:
+                plan = dataclasses.replace(plan, holder=args.holder)
+            if args.replicas is not None:
+                plan = dataclasses.replace(plan, replicas=args.replicas)
             return soak.main(args.database_url, args.nats_url, plan, args.json)
         if args.features:
             from relay_tools.bench import features  # noqa: PLC0415

@@ -27,7 +27,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from relay import aio
-from relay.claimstart import FROM_FIRST_ENTRY, ClaimStart, ClaimSummary
+from relay.claimstart import ClaimStart, ClaimSummary
 from relay.config import Config
 from relay.errors import DatabaseUnavailable, SetupError, first_line
 from relay.horizon import Holder, read_holders
@@ -247,7 +247,7 @@ class Transaction:
         conn = self._conn
         async with translated("claim"):
             cursor = psycopg.AsyncClientCursor(conn)
-            start = self._start.key()
+            start = self._start.sending()
             if self._local_settings is not None:
                 await cursor.execute(
                     claim_unprepared(
@@ -270,13 +270,21 @@ class Transaction:
             cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
             found = await cursor.fetchall()
         # The last row is the claim's summary (blocker null): where the next starts.
-        *found, (_, start_at, statement_at, xmin, xid, guard_off, _, _, start_seq, *_) = found
-        self._start.observe(
-            ClaimSummary(
-                start_at, start_seq, statement_at, int(xmin), xid and int(xid), guard_off == "true"
-            ),
-            start,
+        *found, summary = found
+        (_, start_at, statement_at, xmin, xid, guard_off, finished, _, start_seq, _,
+         from_first, bound_at, _) = summary  # fmt: skip
+        walked = ClaimSummary(
+            start_at,
+            start_seq,
+            statement_at,
+            int(xmin),
+            xid and int(xid),
+            guard_off == "true",
+            frozenset(int(x) for x in finished.strip("{}").split(",") if x),
+            from_first == "true",
+            bound_at,
         )
+        self._start.observe(walked, start)
         why = self._start.take_rewind_reason()
         if why is not None:
             log.warning(
@@ -288,7 +296,7 @@ class Transaction:
         blockers = earliest_blockers(
             ((row[4], (row[7], row[8], row[1])) for row in found if row[0]), ours
         )
-        return Claim(rows, blockers, start == FROM_FIRST_ENTRY)
+        return Claim(rows, blockers, walked.from_first_entry)
 
     async def mark_and_commit(
         self, marks: Marks, crash_before_commit: Callable[[], None] | None = None
@@ -527,11 +535,24 @@ class Database:
         assert row is not None  # one row of scalars
         return TableHealth(*row), read_holders(holders)
 
+    async def table_writers(self) -> tuple[str, list[tuple[int, str | None]]]:
+        """When this read of pg_locks began (exact text), and the table's writers it
+        saw: each one's xid and, where the role may read it, its transaction's start."""
+        async with self.connection("writers") as conn, translated("writers"):
+            cursor = await aio.call(
+                conn.execute,
+                query(self.names, "table_writers"),
+                {"table": sql.Identifier(*self.config.table).as_string()},
+            )
+            rows = await aio.call(cursor.fetchall)
+        polled_at = rows[0][0]
+        return polled_at, [(int(xid), started) for _, xid, started in rows if xid is not None]
+
     async def sweep(self) -> bool:
         """Whether a live row sits before where the claims start, unflagged: one walk
         of the claim index from its first entry, off the claim's path."""
-        start = self.claim_start.key()
-        if start == FROM_FIRST_ENTRY:
+        start = self.claim_start.sweep_key()
+        if start is None:
             return False
         params = {"start_at": start.start_at, "start_seq": start.start_seq,
                   "bound_at": start.bound_at}  # fmt: skip

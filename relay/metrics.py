@@ -153,6 +153,9 @@ class Metrics:
     table_dead_tuples: Gauge
     table_bytes: Gauge
     claims_from_first_entry: Counter
+    claims_bounded: Gauge
+    table_writers: Gauge
+    horizon_holder: Gauge
     database_errors: Counter
     unexpected_errors: Counter
     publish_mode: Gauge

@@ -357,6 +357,7 @@ class Scheduler:
             self._awake()
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()
+        self._metrics.claims_bounded.set(0 if outcome.from_first_entry else 1)
         if outcome.rows:
             self._record(outcome)
         acked = sum(1 for result in outcome.results.values() if isinstance(result, Acked))

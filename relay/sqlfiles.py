@@ -270,13 +270,16 @@ def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
 LATE_INSERT = sql.SQL("interval {}").format(sql.Literal(f"{LATE_INSERT_SECONDS} seconds"))
 
 # The claim's parameters are slots in sql/queries.sql, not %(name)s: as they are,
-# bound parameters; when the relay prepares the claim, $1 to $5, typed in PREPARE.
+# bound parameters; when the relay prepares the claim, $1 to $8, typed in PREPARE.
 _CLAIM_PARAMETER_TYPES = {
     "batch_size": "integer",
     "max_attempts": "integer",
     "start_at": "timestamptz",
     "start_seq": "bigint",
     "bound_at": "timestamptz",
+    "locks_at": "timestamptz",
+    "writer_xids": "xid8[]",
+    "writer_since": "timestamptz[]",
 }
 CLAIM_PARAMETERS: dict[str, sql.Composable] = {
     name: sql.Placeholder(name) for name in _CLAIM_PARAMETER_TYPES
@@ -291,6 +294,9 @@ def claim_parameters(batch_size: int, max_attempts: int, start: StartKey) -> dic
         "start_at": start.start_at,
         "start_seq": start.start_seq,
         "bound_at": start.bound_at,
+        "locks_at": start.locks_at,
+        "writer_xids": start.writer_xids,
+        "writer_since": start.writer_since,
     }
 
 

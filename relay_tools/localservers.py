@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -114,7 +114,7 @@ def _as_postgres_user() -> list[str]:
 class ThrowawayPostgres:
     """A temporary `initdb` cluster on a free port: trust auth, loopback only."""
 
-    def __init__(self, *, durable: bool = False) -> None:
+    def __init__(self, *, durable: bool = False, settings: Sequence[str] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="outbox-relay-pg-"))
         self.data = self.dir / "data"
         self.port = free_port()
@@ -128,6 +128,7 @@ class ThrowawayPostgres:
             f"unix_socket_directories = '{self.dir}'",
             "max_connections = 100",
             "shared_buffers = 128MB",
+            *settings,
         ]
         if not durable:
             # Tests restart and crash these servers; durability costs them only time.
@@ -169,6 +170,35 @@ class ThrowawayPostgres:
         with contextlib.suppress(subprocess.CalledProcessError):
             self.stop("immediate")
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class ThrowawayStandby(ThrowawayPostgres):
+    """A streaming standby of a throwaway primary: a `pg_basebackup` of it (which
+    must be running), not started."""
+
+    def __init__(
+        self, primary: ThrowawayPostgres, name: str = "standby", settings: Sequence[str] = ()
+    ) -> None:
+        self.primary = primary
+        self.name = name
+        super().__init__(settings=settings)
+        with open(self.data / "postgresql.auto.conf", "a") as conf:
+            conf.write(
+                f"primary_conninfo = 'host=127.0.0.1 port={primary.port} user=postgres "
+                f"application_name={name}'\n"
+            )
+
+    def _create_data_directory(self) -> None:
+        # -R: standby.signal, so the copy starts as a standby of the primary.
+        subprocess.run(
+            [*_as_postgres_user(), postgres_binary("pg_basebackup"), "-D", str(self.data),
+             "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres",
+             "-X", "stream", "-R", "--no-sync"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
+    def promote(self) -> None:
+        self._ctl("promote")
 
 
 class ThrowawayNats:
@@ -309,9 +339,10 @@ def throwaway_nats(
 
 
 def throwaway_postgres(
-    *, started: bool = True, durable: bool = False
+    *, started: bool = True, durable: bool = False, settings: Sequence[str] = ()
 ) -> contextlib.AbstractContextManager[ThrowawayPostgres]:
-    return _managed(ThrowawayPostgres(durable=durable), started)
+    """``settings``: postgresql.conf lines of the test's own."""
+    return _managed(ThrowawayPostgres(durable=durable, settings=settings), started)
 
 
 def throwaway_pgbouncer(

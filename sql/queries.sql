@@ -85,7 +85,23 @@ end
 -- outside years 1-9999), ``created_at`` as epoch seconds (float8 keeps microsecond
 -- order near now, and turns +-infinity into +-inf).
 -- Fences: each CTE is "materialized" so it runs once, not inlined into its users.
-with guard as materialized (
+with finished_writers as materialized (
+  -- The table's writers that the relay's last poll of pg_locks saw (relay/writers.py)
+  -- and this claim's snapshot sees finished: rows they committed may be older
+  -- than the poll, but no older than their own bound.
+  select w.xid, w.since
+    from unnest({writer_xids}::xid8[], {writer_since}::timestamptz[]) w (xid, since)
+   where pg_visible_in_snapshot(w.xid, pg_current_snapshot())
+),
+bound as materialized (
+  -- The earliest created_at of a row, unflagged, that this claim may see and the
+  -- last did not, less the late-insert slack: the later of the two bounds, the
+  -- snapshot's (bound_at) and the writers' (locks_at, or a finished writer's own).
+  select greatest({bound_at}::timestamptz,
+                  least({locks_at}::timestamptz,
+                        (select min(since) from finished_writers))) as since
+),
+guard as materialized (
   -- Whether the start key may be trusted now: both of the late-row triggers fire
   -- ALWAYS (sql/install/004_late_rows.sql; disabled, they flag nothing), and the
   -- clock has not gone back behind the bound (rows committed since may carry
@@ -94,7 +110,7 @@ with guard as materialized (
            where tgrelid = {table_name}::regclass
              and tgname in ({late_trigger_name}, {revive_trigger_name})
              and tgenabled = 'A') < 2
-         or statement_timestamp() < {bound_at}::timestamptz as off
+         or statement_timestamp() < (select since from bound) as off
 ),
 walk_from as materialized (
   select k.created_at, k.relay_seq
@@ -102,7 +118,7 @@ walk_from as materialized (
           union all
           select '-infinity'::timestamptz, -9223372036854775808 where (select off from guard)
           union all
-          select {bound_at}::timestamptz - {late_insert}, -9223372036854775808
+          select (select since from bound) - {late_insert}, -9223372036854775808
           union all
           (select l.created_at, l.relay_seq
              from {table} l
@@ -198,12 +214,16 @@ union all
 -- The summary, last, so that the claim's row locks (which give this transaction its
 -- xid) were taken before it is read: the start (its created_at as exact text; null
 -- when no live row was found), this statement's time, the snapshot's xmin, this
--- transaction's xid (null when it claimed nothing), and whether the guard was off.
+-- transaction's xid (null when it claimed nothing), whether the guard was off, the
+-- writers it saw finished, whether it walked from the first entry, and its bound.
 select null, (select {exact_time(created_at)} from start),
        (select {exact_time(t)} from (select statement_timestamp()) n (t)),
        pg_snapshot_xmin(pg_current_snapshot())::text,
-       pg_current_xact_id_if_assigned()::text, (select off from guard)::text, null, null,
-       (select relay_seq from start), null, null, null, null;
+       pg_current_xact_id_if_assigned()::text, (select off from guard)::text,
+       (select coalesce(array_agg(xid), '{{}}') from finished_writers)::text, null,
+       (select relay_seq from start), null,
+       ((select created_at from walk_from) = '-infinity')::text,
+       (select {exact_time(since)} from bound), null;
 
 -- name: mark_published
 -- The ids come as one uuid[] literal in a string: the relay holds them as text, and
@@ -488,6 +508,40 @@ select kind, pid, name, state, xids, seconds, visible
          where database = current_database()) holders
  order by xids desc
  limit %(limit)s;
+
+-- name: table_writers
+-- The table's writers (relay/writers.py): transactions holding a granted
+-- RowExclusiveLock on it (every insert, update and delete takes one and keeps it to
+-- the end of its transaction) and an xid: a prepared one too, as its locks stay. Each
+-- with its top-level xid with the epoch (pg_locks gives 32 bits, put back beside the
+-- next xid, signed: a running xid is never 2^31 away) and its transaction's start
+-- where this role may read it; and when this read began (before pg_locks was read).
+-- One row with a null xid when there is none. pg_locks is read once.
+with locks as materialized (
+  select locktype, database, relation, transactionid, virtualtransaction, pid, mode, granted
+    from pg_locks
+),
+next_xid as materialized (
+  select pg_snapshot_xmax(pg_current_snapshot())::text::bigint as xid
+),
+writers as (
+  select min(r.pid) as pid,
+         min(n.xid - ((n.xid %% 4294967296 - x.transactionid::text::bigint + 6442450944)
+                      %% 4294967296 - 2147483648)) as xid
+    from locks r
+    join locks x on x.virtualtransaction = r.virtualtransaction
+                and x.locktype = 'transactionid' and x.mode = 'ExclusiveLock' and x.granted
+   cross join next_xid n
+   where r.locktype = 'relation' and r.relation = %(table)s::regclass
+     and r.database = (select oid from pg_database where datname = current_database())
+     and r.mode = 'RowExclusiveLock' and r.granted
+   group by r.virtualtransaction
+)
+select {exact_time(polled_at)}, w.xid,
+       (select {exact_time(xact_start)} from pg_stat_activity a
+         where a.pid = w.pid and a.backend_xid::text::bigint = w.xid %% 4294967296)
+  from (select statement_timestamp()) p (polled_at)
+  left join writers w on true;
 
 -- name: table_health
 -- The table's dead tuples (the statistics' estimate), its size with its indexes

@@ -2,8 +2,10 @@
 horizon back, and after it lets go.
 
 Producers commit single-row transactions at a steady rate over many subjects; the
-relay runs as operators run it, with a short retention so that it deletes rows too;
-a reporting session holds a repeatable-read snapshot for the middle of the run. Per
+relay runs as operators run it (one or more replicas), with a short retention so
+that it deletes rows too; a holder of one kind (:data:`HOLDERS`) holds the horizon
+for the middle of the run. A holder that wrote an outbox row commits it at the end:
+it must arrive then, before the row of its subject committed after it. Per
 window of commit time: latency from commit to consumer (p50, p99, max), the table's
 dead tuples and size, the backlog (committed, not yet arrived) and the relay's CPU.
 The verdict: every window of the hold keeps its p99 within twice the p99 before it
@@ -20,6 +22,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import nats
 import psycopg
@@ -33,13 +36,30 @@ from relay_tools.bench.harness import (
     bench_target,
     dumps,
     wait_until_ready,
+    with_database,
 )
 from relay_tools.bench.stats import percentile
+from relay_tools.localservers import ThrowawayStandby, throwaway_postgres
 
 INSERT = (
     "insert into outbox_events (id, event_type, source, subject, time, data) "
     "values (%s, %s, 'soak', %s, now(), %s)"
 )
+
+# What holds the horizon: a repeatable-read report; a writer idle in its
+# transaction after writing another table; a writer that inserted an outbox row and
+# commits at the end; the same as a prepared transaction; a report on a hot standby
+# with hot_standby_feedback (the last two need the bench's throwaway Postgres).
+HOLDERS = ("report", "writer", "outbox-writer", "prepared", "standby")
+THROWAWAY_ONLY = ("prepared", "standby")
+HELD_SUBJECT = "held"
+HOLDER_TEXT = {
+    "report": "a repeatable-read report",
+    "writer": "a writer idle in its transaction (another table)",
+    "outbox-writer": "a writer of an outbox row, committing at the end",
+    "prepared": "a prepared transaction that wrote an outbox row, committed at the end",
+    "standby": "a report on a hot standby with hot_standby_feedback",
+}
 
 # The targets, as ratios and bounds measured in the same run.
 P99_RATIO = 2.0
@@ -58,6 +78,8 @@ class SoakPlan:
     window: float = 30.0
     retention: str = "20s"
     retention_interval: str = "5s"
+    holder: str = "report"
+    replicas: int = 1
 
     @classmethod
     def quick(cls) -> SoakPlan:
@@ -91,6 +113,8 @@ class SoakReport:
     lost: int
     inversions: int
     drained_after_release: float | None  # seconds from the release to an empty backlog
+    # The held outbox row (outbox-writer, prepared): from its commit to its arrival.
+    held_row_ms: float | None = None
     verdicts: list[tuple[str, bool]] = field(default_factory=list)
 
 
@@ -141,8 +165,10 @@ def _on_message(run: _Run) -> Callable[[Msg], Awaitable[None]]:
     return on_message
 
 
-async def _sample(target: Target, relay: RelayProcess, run: _Run, stop: asyncio.Event) -> None:
-    """Once a second: the table's dead tuples and size, the backlog, the relay's CPU."""
+async def _sample(
+    target: Target, relays: list[RelayProcess], run: _Run, stop: asyncio.Event
+) -> None:
+    """Once a second: the table's dead tuples and size, the backlog, the relays' CPU."""
     health = query(Names.for_config(Config()), "table_health")
     async with await psycopg.AsyncConnection.connect(target.url, autocommit=True) as conn:
         while not stop.is_set():
@@ -151,21 +177,58 @@ async def _sample(target: Target, relay: RelayProcess, run: _Run, stop: asyncio.
             assert row is not None
             backlog = len(run.committed) - len(run.arrived)
             now = time.perf_counter() - run.started
-            run.samples.append((now, int(row[0]), int(row[1]), backlog, relay.cpu_seconds()))
+            cpu = sum(relay.cpu_seconds() for relay in relays)
+            run.samples.append((now, int(row[0]), int(row[1]), backlog, cpu))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
 
 
-async def _hold(target: Target, plan: SoakPlan, run: _Run) -> None:
-    """A reporting session: one repeatable-read snapshot, held for ``plan.hold``."""
+async def _insert_held(
+    conn: psycopg.AsyncConnection[Any], target: Target, run: _Run, seq: int
+) -> str:
+    """A row of the held subject, counted as committed now (it may arrive as soon as
+    its transaction commits, before this returns)."""
+    event_id = str(uuid.uuid4())
+    run.committed[event_id] = (time.perf_counter(), HELD_SUBJECT, seq)
+    await conn.execute(
+        INSERT, (event_id, target.event_type, HELD_SUBJECT, json.dumps({"seq": seq}))
+    )
+    return event_id
+
+
+async def _hold(target: Target, plan: SoakPlan, run: _Run, standby_url: str | None) -> None:
+    """``plan.holder`` holds the horizon for ``plan.hold``, then lets go."""
     await asyncio.sleep(max(0.0, run.started + plan.before - time.perf_counter()))
+    url = standby_url if plan.holder == "standby" else target.url
+    assert url is not None
+    release = run.started + plan.before + plan.hold
     async with await psycopg.AsyncConnection.connect(
-        target.url, application_name="soak-report"
+        url, application_name=f"soak-{plan.holder}"
     ) as conn:
-        await conn.execute("set transaction isolation level repeatable read")
-        await (await conn.execute("select count(*) from outbox_events")).fetchall()
-        await asyncio.sleep(max(0.0, run.started + plan.before + plan.hold - time.perf_counter()))
-        await conn.rollback()
+        if plan.holder in ("report", "standby"):
+            await conn.execute("set transaction isolation level repeatable read")
+            await (await conn.execute("select count(*) from outbox_events")).fetchall()
+        elif plan.holder == "writer":
+            await conn.execute("create table if not exists soak_elsewhere (i int)")
+            await conn.commit()
+            await conn.execute("insert into soak_elsewhere values (1)")
+        else:
+            held = await _insert_held(conn, target, run, 1)
+            if plan.holder == "prepared":
+                await conn.execute("prepare transaction 'soak-held'")
+        await asyncio.sleep(max(0.0, release - time.perf_counter()))
+        if plan.holder in ("outbox-writer", "prepared"):
+            # Committed from here: its latency counts from the commit.
+            run.committed[held] = (time.perf_counter(), HELD_SUBJECT, 1)
+            if plan.holder == "prepared":
+                await conn.set_autocommit(True)
+                await conn.execute("commit prepared 'soak-held'")
+            else:
+                await conn.commit()
+                await conn.set_autocommit(True)
+            await _insert_held(conn, target, run, 2)
+        else:
+            await conn.rollback()
 
 
 def _windows(plan: SoakPlan, run: _Run) -> list[Window]:
@@ -204,6 +267,15 @@ def _drained_after_release(plan: SoakPlan, run: _Run) -> float | None:
     return None
 
 
+def _held_row_ms(run: _Run) -> float | None:
+    held = [
+        (seq, run.arrived[event_id] - at)
+        for event_id, (at, subject, seq) in run.committed.items()
+        if subject == HELD_SUBJECT and event_id in run.arrived
+    ]
+    return next((seconds * 1000 for seq, seconds in held if seq == 1), None)
+
+
 def verdicts(report: SoakReport) -> list[tuple[str, bool]]:
     plan = report.plan
     before = [w for w in report.windows if w.start + plan.window <= plan.before and w.start > 0]
@@ -227,25 +299,30 @@ def verdicts(report: SoakReport) -> list[tuple[str, bool]]:
     ]
 
 
-async def soak(target: Target, plan: SoakPlan) -> SoakReport:
-    relay = RelayProcess(
-        target.url,
-        target.nats_url,
-        retention=plan.retention,
-        retention_interval=plan.retention_interval,
-    )
+async def soak(target: Target, plan: SoakPlan, standby_url: str | None = None) -> SoakReport:
+    relays = [
+        RelayProcess(
+            target.url,
+            target.nats_url,
+            retention=plan.retention,
+            retention_interval=plan.retention_interval,
+        )
+        for _ in range(plan.replicas)
+    ]
     run = _Run(started=0.0)
     nc = await nats.connect(target.nats_url)
     stop = asyncio.Event()
     try:
         await nc.subscribe(f"{target.prefix}.>", cb=_on_message(run), pending_msgs_limit=10_000_000)
         await nc.flush()
-        async with relay:
+        async with contextlib.AsyncExitStack() as stack:
+            for relay in relays:
+                await stack.enter_async_context(relay)
             await wait_until_ready(target)
             run.started = time.perf_counter()
-            sampler = asyncio.create_task(_sample(target, relay, run, stop))
+            sampler = asyncio.create_task(_sample(target, relays, run, stop))
             await asyncio.gather(
-                _hold(target, plan, run),
+                _hold(target, plan, run, standby_url),
                 *(_produce(target, plan, run, i) for i in range(plan.producers)),
             )
             with contextlib.suppress(TimeoutError):
@@ -265,6 +342,7 @@ async def soak(target: Target, plan: SoakPlan) -> SoakReport:
         lost,
         run.inversions,
         _drained_after_release(plan, run),
+        _held_row_ms(run),
     )
     report.verdicts = verdicts(report)
     return report
@@ -273,8 +351,9 @@ async def soak(target: Target, plan: SoakPlan) -> SoakReport:
 def render(report: SoakReport) -> str:
     plan = report.plan
     lines = [
-        f"soak: {plan.rate:g} events/s over {plan.subjects} subjects for {plan.seconds:g} s; "
-        f"a repeatable-read snapshot held from {plan.before:g} s to {plan.before + plan.hold:g} s; "
+        f"soak: {plan.rate:g} events/s over {plan.subjects} subjects for {plan.seconds:g} s, "
+        f"{plan.replicas} relay{'s' if plan.replicas > 1 else ''}; the horizon held by "
+        f"{HOLDER_TEXT[plan.holder]} from {plan.before:g} s to {plan.before + plan.hold:g} s; "
         f"retention {plan.retention} every {plan.retention_interval}",
         "",
         f"{'window':>11}  {'held':4}  {'events':>6}  {'p50 ms':>7}  {'p99 ms':>7}  "
@@ -292,6 +371,14 @@ def render(report: SoakReport) -> str:
         f"committed {report.committed}, arrived {report.arrived}, lost {report.lost}, "
         f"order inversions {report.inversions}; backlog under one second of load "
         + (f"{drained:.0f} s after the release" if drained is not None else "never after release"),
+        *(
+            [
+                f"the held outbox row arrived {report.held_row_ms:.1f} ms after its commit, "
+                "before the next row of its subject (or the inversions count it)"
+            ]
+            if report.held_row_ms is not None
+            else []
+        ),
         "",
         "targets:",
         *(f"  {'met' if ok else 'NOT MET'}: {text}" for text, ok in report.verdicts),
@@ -304,8 +391,25 @@ def _clock(seconds: float) -> str:
 
 
 async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) -> SoakReport:
-    async with bench_target(database_url, nats_url) as target:
-        return await soak(target, plan)
+    with contextlib.ExitStack() as servers:
+        primary = None
+        if plan.holder in THROWAWAY_ONLY:
+            if database_url is not None:
+                raise SystemExit(f"bench --soak --holder {plan.holder} runs on a throwaway "
+                                 "Postgres only: leave out --database-url")  # fmt: skip
+            primary = servers.enter_context(
+                throwaway_postgres(durable=True, settings=["max_prepared_transactions = 4"])
+            )
+            database_url = primary.url
+        async with bench_target(database_url, nats_url) as target:
+            standby_url = None
+            if plan.holder == "standby":
+                assert primary is not None
+                standby = ThrowawayStandby(primary, settings=["hot_standby_feedback = on"])
+                servers.callback(standby.destroy)
+                standby.start()
+                standby_url = with_database(standby.url, target.database)
+            return await soak(target, plan, standby_url)
 
 
 def main(

@@ -9,9 +9,11 @@ relay would use."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -25,9 +27,11 @@ from relay.database import POOLED_CONNECTION, Transaction
 from relay.marks import FailureMark, Marks
 from relay.model import OutboxRow
 from relay.sqlfiles import Names, claim_parameters, query
+from relay.writers import WriterTracker
 from tests.support import database
 from tests.support.database import Event, relay_session
 from tests.support.relayproc import wait_until
+from tests.support.servers import throwaway_postgres
 
 pytestmark = pytest.mark.integration
 
@@ -35,17 +39,30 @@ NAMES = Names.for_config(Config())
 BATCH = 50
 
 
-class Claims:
-    """The relay's claims on one pooled-style connection, with its start key."""
+def read_writers(url: str) -> tuple[str, list[tuple[int, str | None]]]:
+    """The table_writers query, as relay/writers.py's task reads it."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(query(NAMES, "table_writers"), {"table": "outbox_events"}).fetchall()
+    return rows[0][0], [(int(xid), started) for _, xid, started in rows if xid is not None]
 
-    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+
+class Claims:
+    """The relay's claims on one pooled-style connection, with its start key, each
+    after a read of the table's writers (the relay reads them 4 times a second)."""
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], url: str | None = None) -> None:
         self.conn = conn
+        self.url = url or conn.info.dsn
         self.start = ClaimStart()
+        self.writers = WriterTracker()
+        self.poll_writers = True
         self._prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
 
     async def claim(self, marks: Callable[[list[OutboxRow]], Marks] | None = None) -> list[str]:
         """One batch: claim, mark (published unless ``marks`` says otherwise), commit.
         The subjects' sequence numbers claimed, in claim order."""
+        if self.poll_writers:
+            self.start.offer(self.writers.observe(*read_writers(self.url)))
         tx = Transaction(self.conn, NAMES, self._prepared, self.start)
         claim = await tx.claim(BATCH, 20)
         rows = [row for row in claim.rows if row.subject not in claim.blockers]
@@ -64,7 +81,7 @@ class Claims:
 def run(url: str, test: Callable[[Claims], Awaitable[None]]) -> None:
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(url, **POOLED_CONNECTION) as conn:
-            await test(Claims(conn))
+            await test(Claims(conn, url))
 
     asyncio.run(main())
 
@@ -116,42 +133,111 @@ def claim_index_entries(url: str, start: StartKey) -> int:
     return int(read)
 
 
-def test_a_claim_costs_a_few_batches_behind_200k_dead_entries_the_horizon_keeps(db_url):
-    # A reporting transaction holds the horizon; 200,000 rows are published meanwhile
-    # (their claim-index entries are dead, and no vacuum or index scan may remove
-    # them), then load goes on. A claim that walked from the index's first entry
-    # visited every one of them, every claim.
-    with psycopg.connect(db_url) as reporting:
-        reporting.execute("set transaction isolation level repeatable read")
-        reporting.execute("select count(*) from outbox_events").fetchall()
-        database.execute(
-            db_url,
-            """insert into outbox_events (id, event_type, source, subject, time, data,
-                                          created_at)
-               select gen_random_uuid(), 'a.b', 's', 'e' || (g %% 500), now(), '{}',
-                      clock_timestamp()
-                 from generate_series(1, 200000) g""",
-        )
+HOLDERS = ["report", "writer elsewhere", "outbox writer", "prepared outbox writer"]
 
-        async def test(claims: Claims) -> None:
-            assert len(await claims.drain()) == 200000  # the first claim walks it all once
-            wait_out_the_late_insert_slack(db_url)
+
+@contextlib.contextmanager
+def horizon_held(url: str, holder: str) -> Iterator[str | None]:
+    """``holder`` holds the horizon back until the block ends, then lets go (a writer
+    commits). Yields the id of the row it inserted into the outbox, if any."""
+    with psycopg.connect(url) as conn:
+        held = None
+        if holder == "report":
+            conn.execute("set transaction isolation level repeatable read")
+            conn.execute("select count(*) from outbox_events").fetchall()
+        elif holder == "writer elsewhere":
+            conn.execute("create table if not exists elsewhere (i int)")
+            conn.commit()
+            conn.execute("insert into elsewhere values (1)")  # an xid, idle in transaction
+        else:
+            [held] = insert_in(conn, "e1")
+            if holder.startswith("prepared"):
+                conn.execute("prepare transaction 'held'")
+        yield held
+        if holder.startswith("prepared"):
+            database.execute(url, "commit prepared 'held'")
+        else:
+            conn.commit()
+
+
+def insert_in(conn: psycopg.Connection[Any], subject: str) -> list[str]:
+    row_id = str(uuid.uuid4())
+    conn.execute(
+        "insert into outbox_events (id, event_type, source, subject, time, data) "
+        "values (%s, 'a.b', 's', %s, now(), '{}')",
+        (row_id, subject),
+    )
+    return [row_id]
+
+
+def without_writers(key: StartKey) -> StartKey:
+    """``key`` with the snapshots' bound only, as before the writers' bound."""
+    return replace(key, locks_at="-infinity", writer_xids="{}", writer_since="{}")
+
+
+async def claims_cost_a_few_batches(url: str, claims: Claims, holder: str | None) -> None:
+    """A claim now reads a few batches of entries, not the 200,000 dead ones that
+    ``holder`` keeps (None: none), and reads them all without the writers' bound when
+    a writer holds them."""
+    insert(url, "s", BATCH)
+    assert not claims.start.walked_from_first_entry
+    key = claims.start.key()
+    keyed = claim_index_entries(url, key)
+    assert keyed <= 10 * BATCH, keyed
+    if holder is not None:
+        from_first = claim_index_entries(url, FROM_FIRST_ENTRY)
+        assert from_first > 200000, from_first  # the dead entries are still there
+    if holder not in ("report", None):
+        # A writer holds the snapshots' xmin: only the writers' bound is left.
+        assert claim_index_entries(url, without_writers(key)) > 200000
+    await claims.drain()
+
+
+def check_claims_behind_dead_entries(url: str, holder: str) -> None:
+    # While ``holder`` holds the horizon, 200,000 rows are published (their claim-index
+    # entries are dead, and no vacuum or index scan may remove them), then load goes
+    # on. A claim that walked from the index's first entry visited every one of them,
+    # every claim. A held outbox row is claimed once its writer commits, before the
+    # row of its subject committed after it, and the claims are cheap again.
+    async def test(claims: Claims) -> None:
+        with horizon_held(url, holder) as held:
+            database.execute(
+                url,
+                """insert into outbox_events (id, event_type, source, subject, time, data,
+                                              created_at)
+                   select gen_random_uuid(), 'a.b', 's', 'e' || (g %% 500), now(), '{}',
+                          clock_timestamp()
+                     from generate_series(1, 200000) g""",
+            )
+            # Published as the relay marks them (the claims would take 4,000 batches).
+            database.execute(url, "update outbox_events set published_at = now()")
+            assert await claims.drain() == []  # the first claim walks them all once
+            wait_out_the_late_insert_slack(url)
             for _ in range(5):  # sustained load, light
-                insert(db_url, "s", BATCH // 2)
+                insert(url, "s", BATCH // 2)
                 await claims.claim()
-            insert(db_url, "s", BATCH)
-            assert not claims.start.walks_from_first_entry
-            keyed = claim_index_entries(db_url, claims.start.key())
-            from_first = claim_index_entries(db_url, FROM_FIRST_ENTRY)
-            assert keyed <= 10 * BATCH, (keyed, from_first)
-            assert from_first > 200000, from_first  # the dead entries are still there
+            await claims_cost_a_few_batches(url, claims, holder)
+            [(dead,)] = database.fetch(
+                url, "select count(*) from outbox_events where published_at is not null"
+            )
+            assert dead >= 200000
+        if held is not None:
+            after = insert(url, "e1")
+            assert await claims.drain() == [held, *after]
+            await claims_cost_a_few_batches(url, claims, None)
 
-        run(db_url, test)
-        [(dead,)] = database.fetch(
-            db_url, "select count(*) from outbox_events where published_at is not null"
-        )
-        assert dead >= 200000
-        reporting.rollback()
+    run(url, test)
+
+
+@pytest.mark.parametrize("holder", [h for h in HOLDERS if not h.startswith("prepared")])
+def test_a_claim_costs_a_few_batches_behind_200k_dead_entries_whatever_holds_them(db_url, holder):
+    check_claims_behind_dead_entries(db_url, holder)
+
+
+def test_a_prepared_transaction_that_wrote_costs_the_claims_nothing_until_it_commits():
+    with throwaway_postgres(settings=["max_prepared_transactions = 4"]) as pg:
+        database.install(pg.url)
+        check_claims_behind_dead_entries(pg.url, "prepared outbox writer")
 
 
 def test_a_row_inserted_long_after_its_created_at_is_claimed_before_later_rows(db_url):
@@ -183,30 +269,42 @@ def test_a_row_inserted_long_after_its_created_at_is_claimed_before_later_rows(d
     run(db_url, test)
 
 
-def test_a_row_of_a_transaction_that_commits_late_is_claimed_before_later_rows(db_url):
-    # The transaction inserts at once (its row is not late) and commits after the
-    # relay claimed later rows: the bound from the snapshot's xmin keeps the start
-    # key at or before its created_at while it runs.
+def test_rows_of_writers_held_across_many_claims_come_before_their_subjects_later_rows(db_url):
+    # Three writers insert a row each at once (not late), each after a poll has seen
+    # the table without it, and stay open across many claims while producers commit
+    # rows of the same subjects; they commit in the reverse order. While they run, the
+    # snapshots give no bound (each holds an xid); the writers' bound (relay/writers.py)
+    # keeps each held row claimed after its commit, before the row of its subject
+    # committed after it.
     async def test(claims: Claims) -> None:
         insert(db_url, "other", 3)
         await claims.drain()
-        with psycopg.connect(db_url) as long_tx:
-            late = str(uuid.uuid4())
-            long_tx.execute(
-                "insert into outbox_events (id, event_type, source, subject, time, data) "
-                "values (%s, 'a.b', 's', 'e1', now(), '{}')",
-                (late,),
-            )
-            wait_out_the_late_insert_slack(db_url)
-            for _ in range(3):
-                insert(db_url, "other", 3)
-                assert len(await claims.drain()) == 3
-            long_tx.commit()
-        after = insert(db_url, "e1")
-        assert database.fetch(
-            db_url, "select relay_late from outbox_events where id = %s", (late,)
-        ) == [(None,)]
-        assert await claims.drain() == [late, *after]
+        writers: list[tuple[str, psycopg.Connection[Any]]] = []
+        held: dict[str, str] = {}
+        try:
+            for subject in ("e1", "e2", "e3"):
+                writers.append((subject, psycopg.connect(db_url)))
+                [held[subject]] = insert_in(writers[-1][1], subject)
+                wait_out_the_late_insert_slack(db_url)
+                for _ in range(2):
+                    insert(db_url, subject, 2)
+                    insert(db_url, "other", 2)
+                    assert len(await claims.drain()) == 4
+            for subject, conn in reversed(writers):
+                conn.commit()
+                after = insert(db_url, subject)
+                insert(db_url, "other", 2)
+                claimed = await claims.drain()
+                assert [r for r in claimed if r in (held[subject], *after)] == [
+                    held[subject],
+                    *after,
+                ]
+        finally:
+            for _, conn in writers:
+                conn.close()
+        assert database.fetch(db_url, "select count(*) from outbox_events where relay_late") == [
+            (0,)
+        ]
 
     run(db_url, test)
 
@@ -333,7 +431,7 @@ async def published_then_passed(url: str, claims: Claims) -> str:
     for _ in range(3):
         insert(url, "other", 3)
         assert len(await claims.drain()) == 3
-    assert not claims.start.walks_from_first_entry
+    assert not claims.start.walked_from_first_entry
     return row
 
 
@@ -424,13 +522,13 @@ def test_while_the_late_row_triggers_do_not_fire_every_claim_walks_from_the_firs
         [old] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00", relay_seq=1)
         after = insert(db_url, "e1", relay_seq=2)
         assert await claims.drain() == [old, *after]
-        assert claims.start.walks_from_first_entry
+        assert claims.start.walked_from_first_entry
         database.install(db_url)
         insert(db_url, "other")
         await claims.drain()  # from the first entry, the triggers on again
         insert(db_url, "other")
         await claims.drain()
-        assert not claims.start.walks_from_first_entry
+        assert not claims.start.walked_from_first_entry
 
     run(db_url, test)
 
@@ -546,7 +644,7 @@ def test_a_claim_whose_clock_is_behind_its_bound_walks_from_the_first_entry(db_u
         claims.start._key = ahead  # as if the last claims ran on a clock years ahead
         assert claims.start.key() == ahead
         assert await claims.claim() == [early]
-        assert claims.start.walks_from_first_entry
+        assert claims.start.walked_from_first_entry
 
     run(db_url, test)
 
@@ -574,7 +672,7 @@ def test_a_database_whose_datestyle_is_not_iso_keeps_exact_start_keys(db_url, wh
             assert await claims.drain() == [early, *after]
             insert(db_url, "other", 3)
             assert len(await claims.drain()) == 3
-            assert not claims.start.walks_from_first_entry
+            assert not claims.start.walked_from_first_entry
 
         run(db_url, test)
     finally:

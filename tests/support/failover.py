@@ -1,40 +1,17 @@
 """A Postgres primary with a synchronous streaming standby, both throwaway, for
-failover tests: the standby is a `pg_basebackup` of the primary that the primary
-waits for at every commit, and that can be promoted when the primary dies."""
+failover tests: the standby (relay_tools/localservers.py) is a `pg_basebackup` of
+the primary that the primary waits for at every commit, and that can be promoted
+when the primary dies."""
 
 from __future__ import annotations
-
-import subprocess
 
 import psycopg
 from psycopg import sql
 
-from relay_tools.localservers import ThrowawayPostgres, _as_postgres_user, postgres_binary
+from relay_tools.localservers import ThrowawayPostgres, ThrowawayStandby
 from tests.support.relayproc import wait_until
 
-
-class ThrowawayStandby(ThrowawayPostgres):
-    def __init__(self, primary: ThrowawayPostgres, name: str = "standby") -> None:
-        self.primary = primary
-        self.name = name
-        super().__init__()
-        with open(self.data / "postgresql.auto.conf", "a") as conf:
-            conf.write(
-                f"primary_conninfo = 'host=127.0.0.1 port={primary.port} user=postgres "
-                f"application_name={name}'\n"
-            )
-
-    def _create_data_directory(self) -> None:
-        # -R: standby.signal, so the copy starts as a standby of the primary.
-        subprocess.run(
-            [*_as_postgres_user(), postgres_binary("pg_basebackup"), "-D", str(self.data),
-             "-h", "127.0.0.1", "-p", str(self.primary.port), "-U", "postgres",
-             "-X", "stream", "-R", "--no-sync"],
-            check=True, capture_output=True,
-        )  # fmt: skip
-
-    def promote(self) -> None:
-        self._ctl("promote")
+__all__ = ["ThrowawayStandby", "failover_url", "make_synchronous"]
 
 
 def make_synchronous(primary: ThrowawayPostgres, standby: ThrowawayStandby) -> None:

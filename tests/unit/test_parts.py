@@ -59,21 +59,21 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     statement = sql.Identifier("outbox_relay_claim")
     prepared = claim_preparation(names, statement).as_string()
     assert prepared.startswith(
-        'prepare "outbox_relay_claim" (integer, integer, timestamptz, bigint, timestamptz) as\n'
+        'prepare "outbox_relay_claim" (integer, integer, timestamptz, bigint, timestamptz, '
+        "timestamptz, xid8[], timestamptz[]) as\n"
     )
     assert "%(" not in prepared
     assert prepared.count("$1") == 2  # batch_size: the horizon's offset, the limit
     # max_attempts: the horizon and the claim, both walks ahead (the probes for an
     # earlier waiting row of a subject need none: a dead row waits for good)
     assert prepared.count("$2") == 4
-    # the start key once, in walk_from; the late-commit bound there and in the guard
-    # (the clock behind it)
-    assert [prepared.count(f"${i}") for i in (3, 4, 5)] == [1, 1, 2]
+    # the start key once, in walk_from; each part of the bound once, in "bound"
+    assert [prepared.count(f"${i}") for i in (3, 4, 5, 6, 7, 8)] == [1, 1, 1, 1, 1, 1]
     assert '"billing"."Outbox"' in prepared
     start = StartKey("2026-12-04 10:00:00.000001+00", 7, "2026-12-04 10:00:01+00")
     assert claim_execution(statement, 500, 20, start).as_string() == (
         "begin; execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
-        "'2026-12-04 10:00:01+00')"
+        "'2026-12-04 10:00:01+00', '-infinity', '{}', '{}')"
     )
 
 
