@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 
 from relay.config import Config
-from relay.horizon import Holder, describe, read_holders
+from relay.horizon import Holder, advice, describe, read_holders
 from relay.sqlfiles import Names, query
 
 
@@ -84,7 +84,7 @@ def read_status(conninfo: str, config: Config) -> Status:
         ).fetchall()[0]
         holders = read_holders(
             conn.execute(
-                query(names, "horizon_holders"), {"limit": HORIZON_HOLDERS_SHOWN}
+                query(names, "horizon_holders"), {"limit": HORIZON_HOLDERS_SHOWN, "table": table}
             ).fetchall()
         )
     return Status(backlog, held, VacuumHorizon(holders, dead_tuples, total_bytes))
@@ -101,9 +101,9 @@ def render_horizon(horizon: VacuumHorizon, shown_from: float = HORIZON_SHOWN_FRO
         f"{horizon.total_bytes / 1e6:.0f} MB; no vacuum may remove them while it is"
     ]
     lines.extend("  " + describe(h, h.seconds or 0.0) for h in shown)
+    lines.extend("  " + line for line in advice(shown))
     lines.append(
-        "  end it (or the slot, or the prepared transaction) to let vacuum reclaim them; "
-        "the relay's claims do not slow down meanwhile"
+        "  ending it lets vacuum reclaim them; the relay's claims do not slow down meanwhile"
     )
     return lines
 

@@ -529,7 +529,7 @@ class Database:
             )
             row = await aio.call(cursor.fetchone)
             cursor = await aio.call(
-                conn.execute, query(self.names, "horizon_holders"), {"limit": limit}
+                conn.execute, query(self.names, "horizon_holders"), {"limit": limit, "table": table}
             )
             holders = await aio.call(cursor.fetchall)
         assert row is not None  # one row of scalars

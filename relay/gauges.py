@@ -63,6 +63,9 @@ class _Horizon:
         self.seconds = seconds
         metrics.horizon_age.set(seconds)
         metrics.horizon_xids.set(holders[0].xids if holders else 0)
+        metrics.horizon_holder.clear()
+        if holders:
+            metrics.horizon_holder.labels(kind=holders[0].kind).set(1)
         if seconds > HORIZON_WARNING and not self.warned:
             log.warning(
                 "the vacuum horizon is %s: %d dead tuples in %s so far, which no vacuum may "

@@ -22,20 +22,49 @@ XID_CLOCK_SPAN = 6 * 3600.0
 class Holder:
     """One thing holding the horizon (the horizon_holders query's row)."""
 
-    kind: str  # "session", "replication slot", "prepared transaction"
+    kind: str  # a key of HOLDER_KINDS
     pid: int | None
     name: str | None  # application_name, slot name, or the prepared transaction's gid
     state: str | None
     xids: int  # how many transactions old its xmin is
     seconds: float | None  # since its transaction started, where the role may see it
     visible: bool  # False: another role's session, without pg_read_all_stats
+    wrote_table: bool = False  # it holds a RowExclusiveLock on the outbox table
+
+
+# Each kind of holder: how `status` and the log name it, and what ends its hold.
+HOLDER_KINDS = {
+    "writer": (
+        "session with an xid",
+        "a transaction that has written, open (idle in transaction: a leaked session, a "
+        "migration, a batch job): end it; idle_in_transaction_session_timeout is the backstop",
+    ),
+    "snapshot": (
+        "session",
+        "a long query or repeatable-read transaction: end it, or bound it with statement_timeout",
+    ),
+    "standby": (
+        "standby's feedback",
+        "a query on a hot standby with hot_standby_feedback: end it there, or bound it "
+        "with statement_timeout on the standby",
+    ),
+    "slot": (
+        "replication slot",
+        "a slot whose consumer is behind or gone: pg_drop_replication_slot once it is gone",
+    ),
+    "prepared": (
+        "prepared transaction",
+        "a prepared transaction its coordinator forgot: COMMIT PREPARED or ROLLBACK "
+        "PREPARED its gid",
+    ),
+}
 
 
 def read_holders(rows: Iterable[Sequence[Any]]) -> list[Holder]:
     """The horizon_holders query's rows."""
     return [
-        Holder(kind, pid, name, state, int(xids), seconds, visible)
-        for kind, pid, name, state, xids, seconds, visible in rows
+        Holder(kind, pid, name, state, int(xids), seconds, visible, wrote)
+        for kind, pid, name, state, xids, seconds, visible, wrote in rows
     ]
 
 
@@ -72,17 +101,30 @@ def holder_seconds(holder: Holder, clock: XidClock, next_xid: int, now: float) -
 def describe(holder: Holder, seconds: float) -> str:
     """One line for `outbox-relay status` and the log."""
     age = _age(seconds)
-    if holder.kind == "session" and not holder.visible:
+    kind = HOLDER_KINDS[holder.kind][0] if holder.kind in HOLDER_KINDS else holder.kind
+    wrote = (
+        "; it has written to the outbox table: its rows go out when it commits, and only "
+        "the claim that first sees it committed walks back to them"
+        if holder.wrote_table
+        else ""
+    )
+    if not holder.visible:
         return (
-            f"held for at least {age} ({holder.xids} transactions) by session pid {holder.pid} "
+            f"held for at least {age} ({holder.xids} transactions) by {kind} pid {holder.pid} "
             f"of another role, application {holder.name!r}: its state and start are hidden "
-            "from this role (grant it pg_read_all_stats to see them)"
+            f"from this role (grant it pg_read_all_stats to see them){wrote}"
         )
     where = f"pid {holder.pid}, " if holder.pid is not None else ""
     return (
-        f"held for {age} ({holder.xids} transactions) by {holder.kind} {holder.name!r} "
-        f"({where}{holder.state})"
+        f"held for {age} ({holder.xids} transactions) by {kind} {holder.name!r} "
+        f"({where}{holder.state}){wrote}"
     )
+
+
+def advice(holders: Iterable[Holder]) -> list[str]:
+    """What ends the hold, once for each kind among ``holders``."""
+    kinds = dict.fromkeys(h.kind for h in holders if h.kind in HOLDER_KINDS)
+    return [HOLDER_KINDS[kind][1] for kind in kinds]
 
 
 def _age(seconds: float) -> str:

@@ -480,31 +480,54 @@ select id::text, event_type, source, subject, {rfc3339_time(r)} as time,
  order by created_at, relay_seq;
 
 -- name: horizon_holders
--- What holds the MVCC horizon back for this table, oldest first: sessions of this
--- database (and walsenders, which have none: a standby's hot_standby_feedback),
--- replication slots' xmin, and prepared transactions of this database. While one
--- does, no vacuum may remove what the relay's marks and retention leave behind.
--- A session of another role shows its state and transaction start only to a role
--- with pg_read_all_stats (visible is false, and both are null, otherwise). A
--- logical slot's catalog_xmin holds back the catalogs only, not this table.
-select kind, pid, name, state, xids, seconds, visible
-  from (select 'session' as kind, pid, application_name as name, state,
+-- What holds the MVCC horizon back for this table, oldest first, by kind: a session
+-- with an xid (writer) or with only a snapshot (snapshot) of this database, a
+-- standby's hot_standby_feedback (standby: its walsender, which has no database), a
+-- replication slot's xmin (slot), a prepared transaction of this database
+-- (prepared); and whether it holds a RowExclusiveLock on the table (it has written to
+-- it: the claims wait for its commit, relay/writers.py). While one does, no vacuum
+-- may remove what the relay's marks and retention leave behind. A session of
+-- another role shows its state and transaction start only to a role with
+-- pg_read_all_stats (visible is false, and both are null, otherwise). A logical
+-- slot's catalog_xmin holds back the catalogs only, not this table.
+with locks as materialized (
+  select locktype, relation, transactionid, virtualtransaction, pid, mode, granted
+    from pg_locks
+),
+table_locks as materialized (
+  -- A prepared transaction's locks have no pid; its xid lock shares their
+  -- virtual transaction.
+  select l.pid, x.transactionid
+    from locks l
+    left join locks x on x.virtualtransaction = l.virtualtransaction
+                     and x.locktype = 'transactionid' and x.mode = 'ExclusiveLock'
+   where l.locktype = 'relation' and l.relation = %(table)s::regclass
+     and l.mode = 'RowExclusiveLock' and l.granted
+)
+select kind, pid, name, state, xids, seconds, visible, wrote_table
+  from (select case when backend_type = 'walsender' then 'standby'
+                    when backend_xid is not null then 'writer'
+                    else 'snapshot' end as kind,
+               pid, application_name as name, state,
                greatest(age(backend_xmin), age(backend_xid)) as xids,
                extract(epoch from clock_timestamp() - xact_start)::float8 as seconds,
-               state is not null as visible
-          from pg_stat_activity
+               state is not null or backend_type = 'walsender' as visible,
+               exists (select 1 from table_locks l where l.pid = a.pid) as wrote_table
+          from pg_stat_activity a
          where (backend_xmin is not null or backend_xid is not null)
            and pid <> pg_backend_pid()
            and (datname = current_database() or datid is null)
         union all
-        select 'replication slot', active_pid, slot_name,
-               case when active then 'active' else 'inactive' end, age(xmin), null, true
+        select 'slot', active_pid, slot_name,
+               case when active then 'active' else 'inactive' end, age(xmin), null, true, false
           from pg_replication_slots
          where xmin is not null
         union all
-        select 'prepared transaction', null, gid, 'prepared', age(transaction),
-               extract(epoch from clock_timestamp() - prepared)::float8, true
-          from pg_prepared_xacts
+        select 'prepared', null, gid, 'prepared', age(transaction),
+               extract(epoch from clock_timestamp() - prepared)::float8, true,
+               exists (select 1 from table_locks l
+                        where l.pid is null and l.transactionid = p.transaction)
+          from pg_prepared_xacts p
          where database = current_database()) holders
  order by xids desc
  limit %(limit)s;

@@ -134,6 +134,13 @@ def claim_index_entries(url: str, start: StartKey) -> int:
 
 
 HOLDERS = ["report", "writer elsewhere", "outbox writer", "prepared outbox writer"]
+# What `status` says of each: its kind, and whether it has written to the table.
+HOLDER_STATUS = {
+    "report": ("snapshot", False),
+    "writer elsewhere": ("writer", False),
+    "outbox writer": ("writer", True),
+    "prepared outbox writer": ("prepared", True),
+}
 
 
 @contextlib.contextmanager
@@ -217,6 +224,8 @@ def check_claims_behind_dead_entries(url: str, holder: str) -> None:
                 insert(url, "s", BATCH // 2)
                 await claims.claim()
             await claims_cost_a_few_batches(url, claims, holder)
+            [oldest, *_] = backlog.read_status(url, Config()).horizon.holders
+            assert (oldest.kind, oldest.wrote_table) == HOLDER_STATUS[holder]
             [(dead,)] = database.fetch(
                 url, "select count(*) from outbox_events where published_at is not null"
             )
@@ -349,6 +358,41 @@ def test_a_held_horizon_is_reported_by_the_gauges_and_named_by_status(db_url, st
         assert f"by session 'nightly-report' (pid {pid}, idle in transaction)" in lines
         reporting.rollback()
     wait_until(lambda: relay.metric("outbox_relay_horizon_transactions") == 0)
+
+
+def test_a_writer_of_the_table_is_told_from_a_report_by_status_and_the_gauges(
+    db_url, stream, start_relay
+):
+    relay = start_relay(gauge_interval="200ms")
+    with psycopg.connect(db_url, application_name="leaked-orm-session") as writer:
+        first = Event(stream.subject("a"), "e1")
+        writer.execute(
+            database.INSERT,
+            (first.id, first.event_type, first.source, first.subject, first.time, "{}"),
+        )  # then idle in its transaction
+        held = str(first.id)
+        [(pid,)] = database.fetch(
+            db_url, "select pid from pg_stat_activity where application_name = %s",
+            ("leaked-orm-session",),
+        )  # fmt: skip
+        wait_until(lambda: relay.metric("outbox_relay_horizon_holder", kind="writer") == 1)
+        wait_until(lambda: relay.metric("outbox_relay_table_writers") >= 1)
+        later = [Event(stream.subject("a"), "e1") for _ in range(5)]
+        database.insert(db_url, later)
+        wait_until(lambda: len(stream.read()) == 5, message="rows committed after it")
+        # The claims kept their bound: the writer holds the snapshots' xmin, not theirs.
+        assert relay.metric("outbox_relay_claims_bounded") == 1
+        status = backlog.read_status(db_url, Config())
+        [holder] = [h for h in status.horizon.holders if h.pid == pid]
+        assert (holder.kind, holder.wrote_table) == ("writer", True)
+        lines = "\n".join(backlog.render_horizon(status.horizon, shown_from=0.0))
+        assert f"by session with an xid 'leaked-orm-session' (pid {pid}, " in lines
+        assert "it has written to the outbox table" in lines
+        assert "idle_in_transaction_session_timeout is the backstop" in lines
+        writer.commit()
+    wait_until(lambda: len(stream.read()) == 6, message="the held row, after its commit")
+    assert [m.msg_id for m in stream.read()][-1] == held
+    wait_until(lambda: relay.metric("outbox_relay_horizon_holder", kind="writer") == 0)
 
 
 def test_status_names_a_holder_it_may_not_see_and_the_grant_that_would_show_it(db_url):

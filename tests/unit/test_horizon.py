@@ -4,7 +4,15 @@ while one holds it: pure logic, no server."""
 from __future__ import annotations
 
 from relay.gauges import BACKLOG_DUTY, SWEEP_INTERVAL, next_backlog_read, sweep_now
-from relay.horizon import XID_CLOCK_SPAN, Holder, XidClock, describe, holder_seconds
+from relay.horizon import (
+    HOLDER_KINDS,
+    XID_CLOCK_SPAN,
+    Holder,
+    XidClock,
+    advice,
+    describe,
+    holder_seconds,
+)
 from relay.retention import FROM_RECENT_ROWS, FULL_PASS_INTERVAL, RetentionCursor
 
 
@@ -29,7 +37,7 @@ def test_the_xid_clock_forgets_samples_past_its_span_but_keeps_the_bound():
 
 
 def holder(**kw: object) -> Holder:
-    fields = {"kind": "session", "pid": 42, "name": "psql", "state": "idle in transaction",
+    fields = {"kind": "snapshot", "pid": 42, "name": "psql", "state": "idle in transaction",
               "xids": 5000, "seconds": 200.0, "visible": True}  # fmt: skip
     return Holder(**{**fields, **kw})  # type: ignore[arg-type]
 
@@ -52,8 +60,21 @@ def test_a_holder_hidden_from_the_role_is_named_with_the_grant_that_shows_it():
     assert line == (
         "held for 3.3m (5000 transactions) by session 'psql' (pid 42, idle in transaction)"
     )
-    slot = describe(holder(kind="replication slot", pid=None, name="standby1", state="active"), 9)
+    slot = describe(holder(kind="slot", pid=None, name="standby1", state="active"), 9)
     assert slot == "held for 9s (5000 transactions) by replication slot 'standby1' (active)"
+
+
+def test_a_writer_of_the_table_is_named_with_what_ends_each_kind_of_hold():
+    line = describe(holder(kind="writer", wrote_table=True), 200.0)
+    assert line.startswith(
+        "held for 3.3m (5000 transactions) by session with an xid 'psql' (pid 42, idle in "
+        "transaction); it has written to the outbox table"
+    )
+    kinds = [holder(kind="writer"), holder(kind="prepared"), holder(kind="writer")]
+    assert len(advice(kinds)) == 2
+    assert "idle_in_transaction_session_timeout" in advice(kinds)[0]
+    assert "COMMIT PREPARED" in advice(kinds)[1]
+    assert all(advice([holder(kind=kind)]) for kind in HOLDER_KINDS)
 
 
 def test_a_slow_backlog_read_is_repeated_less_often():
