@@ -88,6 +88,11 @@ def thinned(claims: deque[tuple[int, str]]) -> deque[tuple[int, str]]:
     return deque(kept)
 
 
+# Finished writers remembered (see ClaimStart._finished): far more than are ever
+# listed by the polls of one claim's time.
+FINISHED_KEPT = 4096
+
+
 def array_literal(values: list[str]) -> str:
     """A Postgres array literal of ``values``, each quoted (timestamps have spaces)."""
     return "{" + ",".join(f'"{v}"' for v in values) + "}"
@@ -113,8 +118,10 @@ class ClaimStart:
         self._latest_poll = NO_POLL
         self._sent_poll = NO_POLL
         self._poll = NO_POLL
-        # Writers a claim saw finished: its first live entry covers their rows.
-        self._finished: set[int] = set()
+        # Writers a claim saw finished (its first live entry covers their rows), the
+        # latest FINISHED_KEPT: a poll that began before one committed may list it
+        # after it is gone from later ones.
+        self._finished: dict[int, None] = {}
         self.walked_from_first_entry = True
         self.walked_bound = UNKNOWN
 
@@ -149,9 +156,9 @@ class ClaimStart:
         # The poll that finished before this claim was sent bounds what the next
         # claim may see that this one did not.
         self._poll = self._sent_poll
-        self._finished |= summary.finished_writers
-        current = {w.xid for p in (self._poll, self._latest_poll) for w in p.writers}
-        self._finished &= current
+        self._finished.update(dict.fromkeys(summary.finished_writers))
+        while len(self._finished) > FINISHED_KEPT:
+            del self._finished[next(iter(self._finished))]
         if summary.guard_off:
             # Rows may have been written that no trigger flagged: walk from the first
             # entry until a claim that did so finds the guard on again.

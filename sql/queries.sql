@@ -75,7 +75,10 @@ end
 -- claim whose own xid is older than that xmin, and a row it inserts then has a
 -- created_at no earlier than that, less the late-insert slack, unless the late-insert
 -- trigger flagged it (relay_late, sql/install/004_late_rows.sql): those, and rows
--- `requeue` brought back, are found through their own small index.
+-- `requeue` brought back, are found through their own small index. A transaction
+-- that has written and stays open holds that xmin itself; the table's writers
+-- (relay/writers.py) give a second bound (locks_at, and the writers this claim's
+-- snapshot sees finished), and the later of the two is the claim's ("bound").
 -- A start_at of '-infinity' walks from the first entry (at start, and to rewind).
 --
 -- Each walk reads at most two batches' worth and stops, however many rows share a

@@ -31,7 +31,7 @@ from relay.writers import WriterTracker
 from tests.support import database
 from tests.support.database import Event, relay_session
 from tests.support.relayproc import wait_until
-from tests.support.servers import throwaway_postgres
+from tests.support.servers import ThrowawayStandby, throwaway_postgres
 
 pytestmark = pytest.mark.integration
 
@@ -133,25 +133,39 @@ def claim_index_entries(url: str, start: StartKey) -> int:
     return int(read)
 
 
-HOLDERS = ["report", "writer elsewhere", "outbox writer", "prepared outbox writer"]
+HOLDERS = ["report", "writer elsewhere", "outbox writer"]
 # What `status` says of each: its kind, and whether it has written to the table.
 HOLDER_STATUS = {
     "report": ("snapshot", False),
     "writer elsewhere": ("writer", False),
     "outbox writer": ("writer", True),
     "prepared outbox writer": ("prepared", True),
+    "standby report": ("standby", False),
 }
 
 
 @contextlib.contextmanager
-def horizon_held(url: str, holder: str) -> Iterator[str | None]:
+def horizon_held(url: str, holder: str, standby_url: str | None = None) -> Iterator[str | None]:
     """``holder`` holds the horizon back until the block ends, then lets go (a writer
     commits). Yields the id of the row it inserted into the outbox, if any."""
-    with psycopg.connect(url) as conn:
+    with psycopg.connect(standby_url or url) as conn:
         held = None
-        if holder == "report":
+        if holder in ("report", "standby report"):
             conn.execute("set transaction isolation level repeatable read")
             conn.execute("select count(*) from outbox_events").fetchall()
+            if standby_url is not None:
+                # Its feedback reaches the primary at the next status interval.
+                wait_until(
+                    lambda: (
+                        database.fetch(
+                            url,
+                            "select count(*) from pg_stat_replication "
+                            "where backend_xmin is not null",
+                        )[0][0]
+                        == 1
+                    ),
+                    message="the standby's feedback to hold the primary's horizon",
+                )
         elif holder == "writer elsewhere":
             conn.execute("create table if not exists elsewhere (i int)")
             conn.commit()
@@ -194,20 +208,20 @@ async def claims_cost_a_few_batches(url: str, claims: Claims, holder: str | None
     if holder is not None:
         from_first = claim_index_entries(url, FROM_FIRST_ENTRY)
         assert from_first > 200000, from_first  # the dead entries are still there
-    if holder not in ("report", None):
+    if holder is not None and HOLDER_STATUS[holder][0] in ("writer", "prepared"):
         # A writer holds the snapshots' xmin: only the writers' bound is left.
         assert claim_index_entries(url, without_writers(key)) > 200000
     await claims.drain()
 
 
-def check_claims_behind_dead_entries(url: str, holder: str) -> None:
+def check_claims_behind_dead_entries(url: str, holder: str, standby_url: str | None = None) -> None:
     # While ``holder`` holds the horizon, 200,000 rows are published (their claim-index
     # entries are dead, and no vacuum or index scan may remove them), then load goes
     # on. A claim that walked from the index's first entry visited every one of them,
     # every claim. A held outbox row is claimed once its writer commits, before the
     # row of its subject committed after it, and the claims are cheap again.
     async def test(claims: Claims) -> None:
-        with horizon_held(url, holder) as held:
+        with horizon_held(url, holder, standby_url) as held:
             database.execute(
                 url,
                 """insert into outbox_events (id, event_type, source, subject, time, data,
@@ -238,7 +252,7 @@ def check_claims_behind_dead_entries(url: str, holder: str) -> None:
     run(url, test)
 
 
-@pytest.mark.parametrize("holder", [h for h in HOLDERS if not h.startswith("prepared")])
+@pytest.mark.parametrize("holder", HOLDERS)
 def test_a_claim_costs_a_few_batches_behind_200k_dead_entries_whatever_holds_them(db_url, holder):
     check_claims_behind_dead_entries(db_url, holder)
 
@@ -247,6 +261,25 @@ def test_a_prepared_transaction_that_wrote_costs_the_claims_nothing_until_it_com
     with throwaway_postgres(settings=["max_prepared_transactions = 4"]) as pg:
         database.install(pg.url)
         check_claims_behind_dead_entries(pg.url, "prepared outbox writer")
+
+
+def test_a_report_on_a_hot_standby_with_feedback_costs_the_claims_nothing():
+    with throwaway_postgres() as pg:
+        database.install(pg.url)
+        standby = ThrowawayStandby(
+            pg, settings=["hot_standby_feedback = on", "wal_receiver_status_interval = 1s"]
+        )
+        try:
+            standby.start()
+            wait_until(
+                lambda: database.fetch(
+                    standby.url, "select to_regclass('outbox_events') is not null"
+                )[0][0],
+                message="the standby to have the table",
+            )
+            check_claims_behind_dead_entries(pg.url, "standby report", standby.url)
+        finally:
+            standby.destroy()
 
 
 def test_a_row_inserted_long_after_its_created_at_is_claimed_before_later_rows(db_url):

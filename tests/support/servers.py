@@ -10,6 +10,7 @@ import os
 from relay_tools.localservers import (
     ThrowawayNats,
     ThrowawayPostgres,
+    ThrowawayStandby,
     free_port,
     throwaway_nats,
     throwaway_postgres,
@@ -26,6 +27,7 @@ __all__ = [
     "SHARED_PG_URL",
     "ThrowawayNats",
     "ThrowawayPostgres",
+    "ThrowawayStandby",
     "free_port",
     "throwaway_nats",
     "throwaway_postgres",

@@ -55,6 +55,11 @@ def test_a_writer_a_claim_saw_finished_is_not_waited_for_again():
     finished(start, 10)  # its walk from w10 found 10's rows; its first live entry covers them
     assert start.key().writer_xids == "{11}"
     assert start.key().writer_since == '{"w11"}'
+    # A poll that read pg_locks before 10 committed, and finished after that claim.
+    start.offer(WriterPoll("p2", (Writer(10, "w10"), Writer(11, "w11"))))
+    finished(start)
+    finished(start)
+    assert (start.key().locks_at, start.key().writer_xids) == ("p2", "{11}")
 
 
 def test_without_a_poll_or_a_snapshot_bound_the_claims_walk_from_the_first_entry():
