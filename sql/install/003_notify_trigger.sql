@@ -7,7 +7,9 @@
 -- trigger notifies only while a relay is asleep:
 --
 -- * a relay about to sleep takes the advisory lock {idle_lock} exclusively, on
---   its LISTEN connection, and holds it while it sleeps;
+--   its LISTEN connection, and holds it while it sleeps, and while it works at
+--   light load (a few rows a batch: a notification a commit then costs less than
+--   the claims that would look for the rows otherwise, relay/scheduler.py);
 -- * the trigger tries to take the same lock shared, without waiting. If it cannot
 --   (a relay holds it, or is queued for it), it notifies. If it can, no relay is
 --   asleep and it skips the notify, holding the shared lock until its transaction
@@ -21,6 +23,11 @@
 -- advisory locks are outside MVCC. A statement-level trigger, so a multi-row
 -- insert checks once; Postgres folds identical notifications of one transaction
 -- into one, and never delivers one for a transaction that rolls back.
+--
+-- The try is made in the trigger's WHEN, so that while a relay is awake the function
+-- is not called at all (docs/performance.md, *Producer cost*); the function tries
+-- again, which keeps it right under a trigger from an earlier install that has no
+-- WHEN (a second try that is granted holds the lock as the first would have).
 create or replace function {notify_function}() returns trigger
 language plpgsql as $$
 begin
@@ -35,12 +42,19 @@ $$;
 -- above and leaves the trigger (and the table's lock) alone.
 do $$
 begin
+  -- Installs before this one had no WHEN: that trigger goes (a brief lock, once).
+  if exists (select 1 from pg_trigger
+              where tgrelid = {table_name}::regclass and tgname = {trigger_name}
+                and not tgisinternal and tgqual is null) then
+    drop trigger {notify_trigger} on {table};
+  end if;
   if not exists (select 1 from pg_trigger
                   where tgrelid = {table_name}::regclass and tgname = {trigger_name}
                     and not tgisinternal) then
     create trigger {notify_trigger}
       after insert on {table}
       for each statement
+      when (not pg_try_advisory_xact_lock_shared({idle_lock}))
       execute function {notify_function}();
   end if;
   -- ALWAYS: rows written under session_replication_role = replica (logical

@@ -193,6 +193,61 @@ def test_install_over_an_earlier_install_replaces_its_late_trigger_and_fires_all
     ) == [(0,)]
 
 
+def test_install_over_an_earlier_install_gives_the_wake_up_its_when_and_the_sequence_a_cache(
+    empty_db,
+):
+    # The install before this one: a sequence without CACHE, and a wake-up trigger
+    # without WHEN, whose function ran for every insert.
+    assert cli("install", url=empty_db).returncode == 0
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("alter sequence outbox_events_relay_seq cache 1")
+        conn.execute("drop trigger outbox_events_relay_notify on outbox_events")
+        conn.execute(
+            "create trigger outbox_events_relay_notify after insert on outbox_events "
+            "for each statement execute function outbox_events_relay_notify()"
+        )
+    assert cli("install", url=empty_db).returncode == 0
+    [(definition, enabled)] = database.fetch(
+        empty_db,
+        "select pg_get_triggerdef(oid), tgenabled from pg_trigger "
+        "where tgname = 'outbox_events_relay_notify'",
+    )
+    assert "WHEN ((NOT pg_try_advisory_xact_lock_shared(" in definition
+    assert enabled == "A"
+    assert database.fetch(
+        empty_db,
+        "select seqcache from pg_sequence where seqrelid = 'outbox_events_relay_seq'::regclass",
+    ) == [(64,)]
+
+
+def test_the_wake_up_notifies_only_while_the_sleep_lock_is_held(empty_db):
+    """The trigger's WHEN: an insert notifies while a relay holds the sleep lock, and
+    does not (and holds the lock shared until it commits) while none does."""
+    assert cli("install", url=empty_db).returncode == 0
+    names = Names.for_config(Config())
+    insert = (
+        "insert into outbox_events (id, event_type, source, subject, time, data) "
+        "values (gen_random_uuid(), 'a.b', 's', 'x', now(), '{}')"
+    )
+    with (
+        psycopg.connect(empty_db, autocommit=True) as listener,
+        psycopg.connect(empty_db, autocommit=True) as relay,
+        psycopg.connect(empty_db, autocommit=True) as producer,
+    ):
+        listener.execute("listen outbox_events")
+        relay.execute(query(names, "idle_lock"))
+        producer.execute(insert)
+        assert len(list(listener.notifies(timeout=5, stop_after=1))) == 1
+        relay.execute(query(names, "idle_unlock"))
+        with producer.transaction():
+            producer.execute(insert)
+            # The producer holds the lock shared: a relay must wait for it to sleep.
+            relay.execute("set lock_timeout = '50ms'")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                relay.execute(query(names, "idle_lock"))
+        assert list(listener.notifies(timeout=0.5)) == []
+
+
 def test_reinstall_takes_no_lock_on_an_installed_table(db_url):
     """Install runs on every deploy, beside live producers and relays: on an installed
     table it must not wait for (or block) anyone. Held in ACCESS EXCLUSIVE mode, the
