@@ -361,6 +361,9 @@ class Batch:
             and messages[row.id].wire_size + ATOMIC_HEADER_BYTES > max_payload
         }
         one_by_one, batched = split_by_publish_mode(sendable, plan, alone)
+        if not batched:  # the common case at steady load: no task to gather
+            results.update(await self._publish_waves(one_by_one, messages, deadline))
+            return results
         # No row subject spans two of these, so they go at once, in any order.
         for found in await asyncio.gather(
             self._publish_waves(one_by_one, messages, deadline),

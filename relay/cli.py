@@ -216,63 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--database-url / --nats-url name servers to use: it creates and drops a database "
         "and a stream of its own there) and prints every figure, with the targets.",
     )
-    bench.add_argument("--database-url", help="a Postgres server to use instead of a throwaway one")
-    bench.add_argument("--nats-url", help="a NATS server to use instead of a throwaway one")
-    bench.add_argument("--quick", action="store_true", help="a few seconds, tiny sizes (CI)")
-    bench.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
-    bench.add_argument(
-        "--soak",
-        action="store_true",
-        help="instead: sustained load while a snapshot holds the vacuum horizon, "
-        "p50/p99 per window before, during and after (about 8 minutes)",
-    )
-    bench.add_argument(
-        "--plot",
-        metavar="DIR",
-        help="also write PNG charts of the figures into DIR (needs the bench extra)",
-    )
-    bench.add_argument(
-        "--from-json",
-        metavar="FILE",
-        help="with --plot: chart the figures a run wrote with --json, without running",
-    )
-    bench.add_argument(
-        "--poolers",
-        action="store_true",
-        help="instead: the relay behind PgBouncer in transaction mode against direct, "
-        "drain and latency (about 6 minutes; needs pgbouncer)",
-    )
-    bench.add_argument(
-        "--features",
-        action="store_true",
-        help="instead: what --schemas, trace context and headers, and tracing on cost the "
-        "drain (about 6 minutes; tracing needs the otel extra)",
-    )
-    bench.add_argument(
-        "--hostile",
-        action="store_true",
-        help="instead: rows and settings Postgres accepts that once broke the relay, one at "
-        "a time beside steady load, on a non-ISO DateStyle (about 2 minutes)",
-    )
-    bench.add_argument(
-        "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
-    )
-    bench.add_argument(
-        "--rate", type=float, metavar="N", help="with --soak: events/s (default 1500)"
-    )
-    bench.add_argument(
-        "--holder",
-        choices=SOAK_HOLDERS,
-        help="with --soak: what holds the horizon (default report): a repeatable-read "
-        "report, a writer idle in its transaction, a writer of an outbox row committing at "
-        "the end, a prepared transaction that wrote one, a report on a hot standby",
-    )
-    bench.add_argument(
-        "--replicas",
-        type=int,
-        metavar="N",
-        help="with --soak: relays sharing the table (default 1)",
-    )
+    _add_bench_arguments(bench)
     demo = commands.add_parser(
         "demo",
         help="see it work: throwaway servers, a producer, the relay and a consumer",
@@ -395,6 +339,110 @@ def _validate(args: argparse.Namespace, config: Config) -> int:
     return 1 if report.invalid_count else 0
 
 
+def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "mode",
+        nargs="?",
+        choices=("steady",),
+        help="steady: the relay's CPU, database transactions and statements per event and "
+        "p50/p99 at steady rates (about 30 s a rate and build)",
+    )
+    bench.add_argument("--database-url", help="a Postgres server to use instead of a throwaway one")
+    bench.add_argument("--nats-url", help="a NATS server to use instead of a throwaway one")
+    bench.add_argument("--quick", action="store_true", help="a few seconds, tiny sizes (CI)")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    bench.add_argument(
+        "--soak",
+        action="store_true",
+        help="instead: sustained load while a snapshot holds the vacuum horizon, "
+        "p50/p99 per window before, during and after (about 8 minutes)",
+    )
+    bench.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="also write PNG charts of the figures into DIR (needs the bench extra)",
+    )
+    bench.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="with --plot: chart the figures a run wrote with --json, without running",
+    )
+    bench.add_argument(
+        "--poolers",
+        action="store_true",
+        help="instead: the relay behind PgBouncer in transaction mode against direct, "
+        "drain and latency (about 6 minutes; needs pgbouncer)",
+    )
+    bench.add_argument(
+        "--features",
+        action="store_true",
+        help="instead: what --schemas, trace context and headers, and tracing on cost the "
+        "drain (about 6 minutes; tracing needs the otel extra)",
+    )
+    bench.add_argument(
+        "--hostile",
+        action="store_true",
+        help="instead: rows and settings Postgres accepts that once broke the relay, one at "
+        "a time beside steady load, on a non-ISO DateStyle (about 2 minutes)",
+    )
+    bench.add_argument(
+        "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
+    )
+    bench.add_argument(
+        "--rate", type=float, metavar="N", help="with --soak: events/s (default 1500)"
+    )
+    bench.add_argument(
+        "--holder",
+        choices=SOAK_HOLDERS,
+        help="with --soak: what holds the horizon (default report): a repeatable-read "
+        "report, a writer idle in its transaction, a writer of an outbox row committing at "
+        "the end, a prepared transaction that wrote one, a report on a hot standby",
+    )
+    bench.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="with --soak or steady: relays sharing the table (default 1)",
+    )
+    bench.add_argument(
+        "--rates",
+        type=_rates,
+        metavar="N,N,...",
+        help="with steady: events/s to run at (default 200,1000,3000)",
+    )
+    bench.add_argument(
+        "--seconds", type=float, metavar="S", help="with steady: seconds measured a rate (20)"
+    )
+    bench.add_argument(
+        "--window",
+        type=float,
+        metavar="S",
+        help="with steady: also CPU per event in windows of S seconds (does it grow?)",
+    )
+    bench.add_argument(
+        "--producer-ratio",
+        type=int,
+        metavar="N",
+        help="with steady: also producers' commits/s on the installed table and each of "
+        "its parts against the contract's table (pgbench, in turns, N times)",
+    )
+    bench.add_argument(
+        "--compare",
+        metavar="DIR",
+        help="with steady: also run the relay of the checkout in DIR, in turns with this build",
+    )
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of rates: {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be positive: {text!r}")
+    return rates
+
+
 # The tools (relay_tools) are imported only by the commands that use them: they
 # start servers, and `outbox-relay run` has no use for them.
 def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per bench mode
@@ -405,6 +453,8 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
     if args.plot:
         return _bench_and_plot(args)
     try:
+        if args.mode == "steady":
+            return _bench_steady(args)
         if args.soak:
             from relay_tools.bench import soak  # noqa: PLC0415
 
@@ -437,6 +487,18 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
     except MissingServerBinary as exc:
         print(f"outbox-relay bench: {exc}", file=sys.stderr)
         return 1
+
+
+def _bench_steady(args: argparse.Namespace) -> int:
+    from relay_tools.bench import steady  # noqa: PLC0415
+
+    plan = steady.SteadyPlan.quick() if args.quick else steady.SteadyPlan()
+    for name in ("rates", "seconds", "window", "compare", "replicas"):
+        if getattr(args, name) is not None:
+            plan = dataclasses.replace(plan, **{name: getattr(args, name)})
+    if args.producer_ratio is not None:
+        plan = dataclasses.replace(plan, producer_repetitions=args.producer_ratio)
+    return steady.main(args.database_url, args.nats_url, plan, args.json)
 
 
 def _bench_and_plot(args: argparse.Namespace) -> int:

@@ -153,8 +153,10 @@ async def _execute_and_commit(
     statements: list[tuple[sql.Composed, dict[str, Any]]],
     crash_before_commit: Callable[[], None] | None,
 ) -> None:
-    """asyncio side: the statements and the commit in one pipeline sync (on a
-    pooled connection, so never prepared: see POOLED_CONNECTION)."""
+    """asyncio side: the statements and the commit in one pipeline sync, one round
+    trip (on a pooled connection, so never prepared: see POOLED_CONNECTION). COMMIT
+    goes as a statement: ``conn.commit()`` in a pipeline syncs, and leaving the
+    pipeline then syncs again, a second round trip."""
     async with conn.pipeline() as pipeline:
         for statement, params in statements:
             await conn.execute(statement, params)
@@ -162,7 +164,10 @@ async def _execute_and_commit(
             # Test-only: let the server apply the marks, then die before COMMIT.
             await pipeline.sync()
             crash_before_commit()
-        await conn.commit()
+        await conn.execute(_COMMIT)
+
+
+_COMMIT = sql.SQL("commit")
 
 
 def _uuid_array(ids: list[RowId]) -> str:
@@ -177,8 +182,10 @@ async def _give_back(
     pool. A connection that cannot roll back within a few seconds (a dead path) is
     closed, and the pool replaces it, rather than leaked out of the pool."""
     try:
-        async with asyncio.timeout(RETURN_TIMEOUT):
-            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        # The timer only when there is something to roll back: a batch that committed
+        # gives its connection back idle, and a timer costs a pass of the scheduler.
+        if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            async with asyncio.timeout(RETURN_TIMEOUT):
                 await conn.rollback()
     except (psycopg.Error, TimeoutError):
         break_connection(conn)

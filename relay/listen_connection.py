@@ -60,15 +60,17 @@ async def _execute_or_break(
 async def _wait_for_notification(
     conn: psycopg.AsyncConnection[Any], seconds: float, notified: Callable[[], None]
 ) -> int:
-    """asyncio side: up to ``seconds`` for the first notification; how many came.
+    """asyncio side: notifications for ``seconds`` (or until cancelled); how many came.
 
-    ``notified`` is called as soon as one comes, here on the asyncio side: the way
-    back to trio (the return of this call) is slow enough to show in the light-load
-    latency (docs/performance.md), and the scheduler need not wait for it.
+    ``notified`` is called as each one comes, here on the asyncio side: the way back
+    to trio (the return of this call) is slow enough to show in the light-load
+    latency (docs/performance.md), and the scheduler need not wait for it. The wait
+    goes on after a notification: at light load the relay keeps the sleep lock and
+    hears one per commit, and a wait rebuilt for each cost more than the batch.
     trio-asyncio runs asyncio callbacks inside a trio task, so a synchronous trio
     call such as setting an Event is allowed."""
     received = 0
-    async for _ in conn.notifies(timeout=seconds, stop_after=1):
+    async for _ in conn.notifies(timeout=seconds):
         notified()
         received += 1
     return received

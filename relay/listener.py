@@ -143,6 +143,7 @@ class Listener:
         # The scheduler's requests, carried out by this task on its connection.
         self._want_sleep = False
         self._holding = False
+        self._grants = 0  # how many times this task has been granted the sleep lock
         self._answer: trio.MemorySendChannel[Sleep] | None = None
         self._poke = trio.Event()
 
@@ -159,6 +160,15 @@ class Listener:
             async with receive:
                 return await receive.receive()
         return Sleep.DEAF
+
+    @property
+    def grant(self) -> int:
+        return self._grants
+
+    def holds(self, grant: int) -> bool:
+        """Whether the sleep lock has been held since ``grant`` without a break: every
+        producer that committed since then has notified."""
+        return self._holding and self._grants == grant
 
     def wake_up(self) -> None:
         """The scheduler is awake: let the lock go, so producers stop notifying."""
@@ -270,6 +280,7 @@ class Listener:
         if not await conn.try_sleep_lock():
             return Sleep.SAFE_OTHER if await conn.another_relay_sleeps() else Sleep.BUSY
         self._holding = True
+        self._grants += 1
         return Sleep.SAFE
 
     def _notified(self) -> None:

@@ -50,6 +50,15 @@ def linger_for(claimed: int) -> float:
     return min(LINGER_MAX, claimed * LINGER_PER_ROW)
 
 
+# At light load the relay keeps the sleep lock while it works: every producer then
+# notifies (as most did anyway, the relay being asleep through most commits), and
+# each wake-up is one claim, with no confirming claim and no lock round trips
+# (docs/performance.md, *Steady load*). A batch larger than this means rows come
+# faster than notifications are worth: the lock goes, producers stop notifying, and
+# the scheduler claims at the linger pace until the table is quiet again.
+LIGHT_BATCH = 3
+
+
 # How soon to claim again when producers were mid-transaction as the scheduler
 # tried to sleep (they may have skipped their notify): at once, then after a pause
 # that doubles up to this while a long transaction keeps the sleep lock from us.
@@ -140,6 +149,16 @@ class SleepLock(Protocol):
 
     def wake_up(self) -> None: ...
 
+    @property
+    def grant(self) -> int:
+        """Which grant of the sleep lock this relay holds (a new number each time it
+        is taken), or the last one it held."""
+        ...
+
+    def holds(self, grant: int) -> bool:
+        """Whether this relay has held the sleep lock since ``grant`` without a break."""
+        ...
+
 
 class BrokerLink(Protocol):
     """Whether there is a broker to publish to (:class:`relay.broker.Broker`)."""
@@ -173,6 +192,8 @@ class Scheduler:
         self._listener = listener
         self.heartbeat = 0.0
         self._woken = False
+        # The grant of the sleep lock kept through light load (see LIGHT_BATCH).
+        self._kept: int | None = None
         self._streamless = StreamlessSubjects(metrics.subjects_without_stream.set)
 
     async def run(self, stopping: trio.Event) -> None:
@@ -185,13 +206,21 @@ class Scheduler:
         busy_streak = 0
         while not stopping.is_set():
             claimed = await self.drain(stopping)
-            self._awake()  # if the drain ran no batch
+            if not self._lock_kept():
+                self._awake()  # if the drain ran no batch
             if stopping.is_set():
                 break
             if not self._broker.connected:
                 # Nothing can be published: no sleep lock, so producers do not notify
                 # a relay that could not act on it. The reconnect (or the poll) wakes us.
+                self._let_lock_go()
                 self._count(await self._wakeup.wait())
+                continue
+            if self._lock_kept():
+                # Light load, the sleep lock held since before this drain's claims:
+                # every commit since has notified, so a notification is all there is
+                # to wait for.
+                await self._sleep_until_woken()
                 continue
             if claimed or self._wakeup.pending:
                 # Rows are flowing: look again in a moment instead of taking the sleep
@@ -203,7 +232,14 @@ class Scheduler:
                 continue
             sleep = await self._listener.prepare_sleep()
             busy_streak = busy_streak + 1 if sleep is Sleep.BUSY else 0
-            if sleep in (Sleep.SAFE, Sleep.SAFE_OTHER):
+            if sleep is Sleep.SAFE:
+                # Ours: kept through the claim under it, and through light load after.
+                self._kept = self._listener.grant
+                await self.drain(stopping)
+                if self._lock_kept():
+                    await self._sleep_until_woken()
+                continue
+            if sleep is Sleep.SAFE_OTHER:
                 if await self.drain(stopping):
                     self._listener.wake_up()  # rows came in: not asleep after all
                     continue
@@ -221,6 +257,20 @@ class Scheduler:
             # The sleep lock goes after the first batch (see _awake).
             self._woken = True
             self._count(reasons)
+
+    def _lock_kept(self) -> bool:
+        return self._kept is not None and self._listener.holds(self._kept)
+
+    def _let_lock_go(self) -> None:
+        """Rows come faster than light load (or cannot be published): let the sleep
+        lock go, so that producers stop notifying."""
+        if self._kept is not None:
+            self._kept = None
+            self._listener.wake_up()
+
+    async def _sleep_until_woken(self) -> None:
+        self._metrics.sleeps.inc()
+        self._count(await self._wakeup.wait())
 
     def _awake(self) -> None:
         """Just woken: let the sleep lock go, so that producers stop notifying.
@@ -345,16 +395,20 @@ class Scheduler:
         try:
             outcome = await self._run_batch()
         except RelayError:
+            self._let_lock_go()
             raise
         except Exception as exc:
             # A bug of the relay's or a library's: the batch's transaction rolled
             # back, its rows wait with their attempts untouched, and the relay keeps
             # serving rather than stop into the same batch again.
+            self._let_lock_go()
             log.exception("a batch failed for a reason the relay did not expect")
             self._metrics.unexpected_errors.labels(task="publisher").inc()
             raise UnexpectedError(f"unexpected {first_line(exc)}") from exc
         finally:
             self._awake()
+        if len(outcome.rows) > LIGHT_BATCH:
+            self._let_lock_go()
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()
         self._metrics.claims_bounded.set(0 if outcome.from_first_entry else 1)

@@ -11,7 +11,7 @@ import importlib.resources
 import re
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
@@ -123,6 +123,8 @@ class Names:
     revive_trigger_name: str
     # The same objects' names as text literals, for catalog checks (to_regclass).
     catalog_names: dict[str, sql.Literal]
+    # Queries without slots, composed once (a batch composed its marks every time).
+    composed: dict[str, sql.Composed] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def idle_lock(self) -> sql.Composed:
@@ -254,6 +256,9 @@ def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
     """Query ``name``; ``slots`` fill its ``{slot}`` parameters other than the
     identifiers (only the claim has any: see :data:`CLAIM_PARAMETERS`), and each
     ``{fragment(alias)}`` is that fragment, about the table's row ``alias``."""
+    plain = not slots
+    if plain and (composed := names.composed.get(name)) is not None:
+        return composed
     queries_, fragments = _queries_and_fragments()
     template = queries_[name]
     for use in {m.group(0)[1:-1]: m for m in _FRAGMENT_USE.finditer(template)}.values():
@@ -261,7 +266,10 @@ def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
         slots[use.group(0)[1:-1]] = names.compose(
             fragments[fragment], row=sql.Identifier(alias), **slots
         )
-    return names.compose(template, **slots)
+    statement = names.compose(template, **slots)
+    if plain:
+        names.composed[name] = statement
+    return statement
 
 
 # How much later than its created_at a row may be inserted and not be flagged late
