@@ -289,7 +289,9 @@ async def produce_at_rate(
 class RelayProcess:
     """`outbox-relay run` as a child process, as an operator runs it."""
 
-    def __init__(self, url: str, nats_url: str, **settings: str) -> None:
+    def __init__(self, url: str, nats_url: str, source: str | None = None, **settings: str) -> None:
+        """``source``: a checkout whose ``relay`` package runs instead of this one."""
+        self._source = source
         self._env = {
             **os.environ,
             "OUTBOX_RELAY_DATABASE_URL": url,
@@ -308,7 +310,7 @@ class RelayProcess:
 
     async def __aenter__(self) -> RelayProcess:
         self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay", "run", env=self._env,
+            sys.executable, "-m", "relay", "run", env=self._env, cwd=self._source,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         return self

@@ -68,6 +68,26 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
     assert "done in" in result.stderr  # the progress line finished
 
 
+def test_bench_steady_quick_counts_the_relays_cost_per_event(tmp_path):
+    """`bench steady --quick`: one rate for a few seconds; the figures are printed,
+    and only their sanity asserted (CI machines are too noisy for targets)."""
+    out = tmp_path / "steady.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "relay", "bench", "steady", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(result.stdout)
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["lost"] == 0
+    assert row["committed_per_s"] > 0
+    assert row["us_per_event"] > 0
+    # The relay claims and marks: statements of its own, beside the producers' inserts.
+    assert row["statements_per_event"] > 0
+    assert row["p50_ms"] <= row["p99_ms"]
+    assert "| this build | 100 |" in result.stdout
+
+
 def test_demo_beside_a_real_outbox_touches_nothing_of_it(db_url, stream):
     """With the user's servers named, the demo runs beside their outbox: their rows,
     their relay's channel and their stream are left exactly as they were, and what

@@ -1,0 +1,165 @@
+"""Where the installed table's cost to producers goes: pgbench's 8 clients inserting
+single outbox rows (one per transaction) into tables that differ by one part at a
+time, in turns, ``--repetitions`` times, on a throwaway Postgres (durable, as
+producers' databases are), no relay running. Each arrangement is a table of its own
+in a schema of its own, built by `outbox-relay install` and then stripped:
+
+- contract: the seed's table and index alone;
+- columns: and the relay's columns (nullable, no default);
+- indexes: and the relay's indexes (the claim index is the only one an insert enters);
+- relay_seq: and relay_seq's default (nextval) and the check that holds it;
+- late trigger: and the late-row trigger (its WHEN; the function runs for late rows);
+- installed: and the wake-up trigger: the table as `install` leaves it;
+- installed before: as the install before this change left it (a sequence without
+  CACHE, a wake-up trigger without WHEN, whose function ran for every insert).
+
+Prints each arrangement's commits/s (median, and each repetition) and its ratio to
+the contract's table.
+
+    python -m relay_tools.bench.producer_cost --repetitions 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from relay.config import Config
+from relay.sqlfiles import Names, install_script
+from relay_tools.bench.harness import bench_target
+from relay_tools.localservers import postgres_binary
+
+SECONDS = 8.0
+CONTRACT = """
+create table {table} (
+  id uuid primary key, event_type text not null, source text not null,
+  subject text not null, time timestamptz not null, data jsonb not null,
+  created_at timestamptz not null default now(), published_at timestamptz null,
+  attempts int not null default 0);
+create index outbox_events_unpublished_idx on {table} (created_at) where published_at is null;
+"""
+_WAKEUP = "drop trigger outbox_events_relay_notify on {table}"
+_LATE = "drop trigger zz_outbox_events_relay_late on {table}"
+_SEQ = (
+    "alter table {table} drop constraint outbox_events_relay_seq_set",
+    "alter table {table} alter relay_seq drop default",
+)
+_INDEXES = tuple(
+    f"drop index {{schema}}.outbox_events_relay_{name}_idx"
+    for name in ("claim", "waiting", "published", "late")
+)
+_BEFORE = (
+    "alter sequence {schema}.outbox_events_relay_seq cache 1",
+    _WAKEUP,
+    "create trigger outbox_events_relay_notify after insert on {table} for each statement "
+    "execute function {schema}.outbox_events_relay_notify()",
+)
+# Each arrangement: what is taken away from the installed table (None: the contract's).
+ARRANGEMENTS: dict[str, tuple[str, ...] | None] = {
+    "contract": None,
+    "columns": (_WAKEUP, _LATE, *_SEQ, *_INDEXES),
+    "indexes": (_WAKEUP, _LATE, *_SEQ),
+    "relay_seq": (_WAKEUP, _LATE),
+    "late trigger": (_WAKEUP,),
+    "installed": (),
+    "installed before": _BEFORE,
+}
+_TPS = re.compile(r"tps = ([0-9.]+) \(without initial connection time\)")
+
+
+def _schema(arrangement: str) -> str:
+    return "producer_cost_" + arrangement.replace(" ", "_")
+
+
+async def build(url: str) -> None:
+    """Every arrangement's table, each in its schema, empty."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        for arrangement, stripped in ARRANGEMENTS.items():
+            schema = _schema(arrangement)
+            table = f"{schema}.outbox_events"
+            await conn.execute(
+                sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(schema))
+            )
+            await conn.execute(sql.SQL("create schema {}").format(sql.Identifier(schema)))
+            await conn.execute(CONTRACT.format(table=table).encode())
+            if stripped is None:
+                continue
+            for statement in install_script(
+                Names.for_config(Config(table=(schema, "outbox_events")))
+            ):
+                await conn.execute(statement)
+            for change in stripped:
+                await conn.execute(change.format(table=table, schema=schema).encode())
+
+
+def _pgbench(url: str, table: str, seconds: float) -> float:
+    script = Path(tempfile.mkstemp(suffix=".sql")[1])
+    script.write_text(
+        "\\set s random(1, 1000)\n"
+        f"insert into {table} (id, event_type, source, subject, time, data) values "
+        "(gen_random_uuid(), 'bench.created', 'bench', 's' || :s, now(), '{\"n\": 1}');\n"
+    )
+    script.chmod(0o644)
+    try:
+        output = subprocess.run(
+            [postgres_binary("pgbench"), "-n", "-c", "8", "-j", "2", "-T",
+             str(max(1, round(seconds))), "-f", str(script), url],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        script.unlink(missing_ok=True)
+    match = _TPS.search(output)
+    if not match:
+        raise RuntimeError(f"pgbench printed no tps:\n{output}")
+    return float(match.group(1))
+
+
+async def measure(url: str, repetitions: int, seconds: float = SECONDS) -> dict[str, list[float]]:
+    """Commits/s of each arrangement, in turns, each table emptied after its turn."""
+    await build(url)
+    results: dict[str, list[float]] = {name: [] for name in ARRANGEMENTS}
+    for _ in range(repetitions):
+        for arrangement in ARRANGEMENTS:
+            table = f"{_schema(arrangement)}.outbox_events"
+            results[arrangement].append(await asyncio.to_thread(_pgbench, url, table, seconds))
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await conn.execute(f"truncate {table}".encode())
+                await conn.execute("checkpoint")
+    return results
+
+
+def render(results: dict[str, list[float]]) -> str:
+    base = statistics.median(results["contract"])
+    lines = []
+    for arrangement, runs in results.items():
+        median = statistics.median(runs)
+        each = ", ".join(f"{r:,.0f}" for r in runs)
+        lines.append(
+            f"{arrangement:>16}: {median:>8,.0f} commits/s median ({each}); "
+            f"{median / base:.3f} of the contract's table"
+        )
+    return "\n".join(lines)
+
+
+async def _main(repetitions: int) -> dict[str, list[float]]:
+    async with bench_target(None, None) as target:
+        return await measure(target.url, repetitions)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repetitions", type=int, default=5)
+    args = parser.parse_args()
+    print(render(asyncio.run(_main(args.repetitions))))
+
+
+if __name__ == "__main__":
+    main()
