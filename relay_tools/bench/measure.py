@@ -303,28 +303,32 @@ create or replace trigger outbox_events_relay_notify after insert on outbox_even
 """
 
 
-def _pgbench(url: str, event_type: str, seconds: float, writers: int) -> str:
+def pgbench_commits(
+    url: str, event_type: str, seconds: float, writers: int = 8, table: str = "outbox_events"
+) -> float:
+    """Commits/s of ``writers`` pgbench clients inserting single outbox rows into
+    ``table`` (a transaction each), for ``seconds``."""
     script = Path(tempfile.mkstemp(suffix=".sql")[1])
     script.write_text(
         "\\set s random(1, 1000)\n"
-        "insert into outbox_events (id, event_type, source, subject, time, data) values "
+        f"insert into {table} (id, event_type, source, subject, time, data) values "
         f"(gen_random_uuid(), '{event_type}', 'bench', 's' || :s, now(), '{{\"n\": 1}}');\n"
     )
     script.chmod(0o644)
     try:
-        return subprocess.run(
+        output = subprocess.run(
             [postgres_binary("pgbench"), "-n", "-c", str(writers), "-j", "2", "-T",
              str(max(1, round(seconds))), "-f", str(script), url],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
     finally:
         script.unlink(missing_ok=True)
-
-
-async def producer_commits(target: Target, seconds: float, writers: int = 8) -> float:
-    """Commits/s of ``writers`` concurrent single-row outbox inserts (pgbench)."""
-    output = await asyncio.to_thread(_pgbench, target.url, target.event_type, seconds, writers)
     match = _TPS.search(output)
     if not match:
         raise RuntimeError(f"pgbench printed no tps:\n{output}")
     return float(match.group(1))
+
+
+async def producer_commits(target: Target, seconds: float, writers: int = 8) -> float:
+    """Commits/s of ``writers`` concurrent single-row outbox inserts (pgbench)."""
+    return await asyncio.to_thread(pgbench_commits, target.url, target.event_type, seconds, writers)

@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
-import subprocess
-import tempfile
-from pathlib import Path
 
 import psycopg
 from psycopg import sql
@@ -35,7 +31,7 @@ from psycopg import sql
 from relay.config import Config
 from relay.sqlfiles import Names, install_script
 from relay_tools.bench.harness import bench_target
-from relay_tools.localservers import postgres_binary
+from relay_tools.bench.measure import pgbench_commits
 
 SECONDS = 8.0
 CONTRACT = """
@@ -72,7 +68,7 @@ ARRANGEMENTS: dict[str, tuple[str, ...] | None] = {
     "installed": (),
     "installed before": _BEFORE,
 }
-_TPS = re.compile(r"tps = ([0-9.]+) \(without initial connection time\)")
+EVENT_TYPE = "bench.created"
 
 
 def _schema(arrangement: str) -> str:
@@ -100,28 +96,6 @@ async def build(url: str) -> None:
                 await conn.execute(change.format(table=table, schema=schema).encode())
 
 
-def _pgbench(url: str, table: str, seconds: float) -> float:
-    script = Path(tempfile.mkstemp(suffix=".sql")[1])
-    script.write_text(
-        "\\set s random(1, 1000)\n"
-        f"insert into {table} (id, event_type, source, subject, time, data) values "
-        "(gen_random_uuid(), 'bench.created', 'bench', 's' || :s, now(), '{\"n\": 1}');\n"
-    )
-    script.chmod(0o644)
-    try:
-        output = subprocess.run(
-            [postgres_binary("pgbench"), "-n", "-c", "8", "-j", "2", "-T",
-             str(max(1, round(seconds))), "-f", str(script), url],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
-    finally:
-        script.unlink(missing_ok=True)
-    match = _TPS.search(output)
-    if not match:
-        raise RuntimeError(f"pgbench printed no tps:\n{output}")
-    return float(match.group(1))
-
-
 async def measure(url: str, repetitions: int, seconds: float = SECONDS) -> dict[str, list[float]]:
     """Commits/s of each arrangement, in turns, each table emptied after its turn."""
     await build(url)
@@ -129,7 +103,9 @@ async def measure(url: str, repetitions: int, seconds: float = SECONDS) -> dict[
     for _ in range(repetitions):
         for arrangement in ARRANGEMENTS:
             table = f"{_schema(arrangement)}.outbox_events"
-            results[arrangement].append(await asyncio.to_thread(_pgbench, url, table, seconds))
+            results[arrangement].append(
+                await asyncio.to_thread(pgbench_commits, url, EVENT_TYPE, seconds, 8, table)
+            )
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
                 await conn.execute(f"truncate {table}".encode())
                 await conn.execute("checkpoint")
