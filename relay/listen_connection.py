@@ -1,7 +1,7 @@
 """The LISTEN connection's Postgres side: the statements the listener runs on it.
 
 The listener (:mod:`relay.listener`) decides what to run and when; this adapter
-runs it, through the asyncio door, and translates psycopg's errors once: a
+runs it, from trio (:mod:`relay.pgtrio`), and translates psycopg's errors once: a
 connection that fails or stops answering raises
 :class:`~relay.errors.DatabaseUnavailable`, and a sleep lock that cannot be had
 within its timeout is an answer (``False``), not an error.
@@ -9,7 +9,6 @@ within its timeout is an answer (``False``), not an error.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -23,6 +22,8 @@ from psycopg.abc import Query
 
 from relay import aio
 from relay.database import break_connection, translate
+from relay.errors import DatabaseUnavailable
+from relay.pgtrio import TrioConnection
 from relay.sqlfiles import Names, query
 
 log = logging.getLogger(__name__)
@@ -38,58 +39,48 @@ SLEEP_LOCK_TIMEOUT_MS = 10
 
 
 async def _execute_or_break(
-    conn: psycopg.AsyncConnection[Any], statement: Query, seconds: float
+    conn: TrioConnection, statement: Query, seconds: float
 ) -> tuple[Any, ...] | None:
-    """asyncio side: run ``statement``; its first row. A connection that does not
-    answer within ``seconds`` is broken on purpose, which makes the statement fail at
-    once: every statement on the LISTEN connection goes through here, so a silently
+    """Run ``statement``; its first row. A connection that does not answer within
+    ``seconds`` is broken on purpose (:func:`relay.pgtrio.drive`) and the call
+    fails: every statement on the LISTEN connection goes through here, so a silently
     dead path is found whatever the connection was doing."""
-
-    def give_up() -> None:
-        log.warning("LISTEN connection unanswered after %.1fs: dropping it", seconds)
-        break_connection(conn)
-
-    watchdog = asyncio.get_running_loop().call_later(seconds, give_up)
-    try:
+    with trio.move_on_after(seconds):
         cursor = await conn.execute(statement)
         return await cursor.fetchone() if cursor.description else None
-    finally:
-        watchdog.cancel()
+    log.warning("LISTEN connection unanswered after %.1fs: dropping it", seconds)
+    break_connection(conn)
+    raise DatabaseUnavailable(f"LISTEN connection: no answer within {seconds:.1f}s")
 
 
 async def _wait_for_notification(
-    conn: psycopg.AsyncConnection[Any], seconds: float, notified: Callable[[], None]
+    conn: TrioConnection, seconds: float, notified: Callable[[], None]
 ) -> int:
-    """asyncio side: notifications for ``seconds`` (or until cancelled); how many came.
+    """Notifications for ``seconds`` (or until cancelled); how many came.
 
-    ``notified`` is called as each one comes, here on the asyncio side: the way back
-    to trio (the return of this call) is slow enough to show in the light-load
-    latency (docs/performance.md), and the scheduler need not wait for it. The wait
-    goes on after a notification: at light load the relay keeps the sleep lock and
-    hears one per commit, and a wait rebuilt for each cost more than the batch.
-    trio-asyncio runs asyncio callbacks inside a trio task, so a synchronous trio
-    call such as setting an Event is allowed."""
+    ``notified`` is called as each one comes. The wait goes on after a notification:
+    at light load the relay keeps the sleep lock and hears one per commit, and a wait
+    rebuilt for each cost more than the batch."""
     received = 0
-    async for _ in conn.notifies(timeout=seconds):
-        notified()
-        received += 1
+    with trio.move_on_after(seconds):
+        async with contextlib.aclosing(conn.notifies()) as notices:
+            async for _ in notices:
+                notified()
+                received += 1
     return received
 
 
 async def _hears(
-    conn: psycopg.AsyncConnection[Any], payload: str, seconds: float, notified: Callable[[], None]
+    conn: TrioConnection, payload: str, seconds: float, notified: Callable[[], None]
 ) -> bool:
-    """asyncio side: whether a notification carrying ``payload`` comes within
-    ``seconds``; ``notified`` is called for any other (a producer's)."""
-    deadline = asyncio.get_running_loop().time() + seconds
-    while (left := deadline - asyncio.get_running_loop().time()) > 0:
-        async for notice in conn.notifies(timeout=left, stop_after=1):
-            if notice.payload == payload:
-                return True
-            notified()
-            break
-        else:
-            return False
+    """Whether a notification carrying ``payload`` comes within ``seconds``;
+    ``notified`` is called for any other (a producer's)."""
+    with trio.move_on_after(seconds):
+        async with contextlib.aclosing(conn.notifies()) as notices:
+            async for notice in notices:
+                if notice.payload == payload:
+                    return True
+                notified()
     return False
 
 
@@ -110,11 +101,14 @@ def session_settings(idle_timeout: float) -> dict[str, str]:
 
 class PostgresListenConnection:
     """One LISTEN connection to Postgres, in autocommit. Every statement is bounded
-    by ``answer_timeout``: past it the connection is broken and the call raises."""
+    by ``answer_timeout``: past it the connection is broken and the call raises.
+
+    Connected through the asyncio door, then driven from trio (:mod:`relay.pgtrio`):
+    it waits for every notification, and at light load that is one per event."""
 
     def __init__(
         self,
-        conn: psycopg.AsyncConnection[Any],
+        conn: TrioConnection,
         names: Names,
         answer_timeout: float,
         idle_timeout: float,
@@ -129,8 +123,8 @@ class PostgresListenConnection:
         cls, conninfo: str, names: Names, answer_timeout: float, idle_timeout: float
     ) -> PostgresListenConnection:
         try:
-            conn: psycopg.AsyncConnection[Any] = await aio.call(
-                psycopg.AsyncConnection.connect,
+            conn = await aio.call(
+                TrioConnection.connect,
                 conninfo,
                 autocommit=True,
                 application_name=APPLICATION_NAME,
@@ -141,7 +135,7 @@ class PostgresListenConnection:
 
     async def _execute(self, statement: Query) -> tuple[Any, ...] | None:
         try:
-            return await aio.call(_execute_or_break, self._conn, statement, self._answer_timeout)
+            return await _execute_or_break(self._conn, statement, self._answer_timeout)
         except (psycopg.Error, OSError) as exc:
             raise translate(exc, "LISTEN connection") from exc
 
@@ -164,8 +158,8 @@ class PostgresListenConnection:
 
     async def try_sleep_lock(self) -> bool:
         try:
-            await aio.call(
-                _execute_or_break, self._conn, query(self._names, "idle_lock"), self._answer_timeout
+            await _execute_or_break(
+                self._conn, query(self._names, "idle_lock"), self._answer_timeout
             )
         except psycopg.errors.LockNotAvailable:
             return False
@@ -182,13 +176,13 @@ class PostgresListenConnection:
 
     async def wait_for_notification(self, seconds: float, notified: Callable[[], None]) -> int:
         try:
-            return await aio.call(_wait_for_notification, self._conn, seconds, notified)
+            return await _wait_for_notification(self._conn, seconds, notified)
         except (psycopg.Error, OSError) as exc:
             raise translate(exc, "LISTEN connection") from exc
 
     async def hears(self, payload: str, seconds: float, notified: Callable[[], None]) -> bool:
         try:
-            return await aio.call(_hears, self._conn, payload, seconds, notified)
+            return await _hears(self._conn, payload, seconds, notified)
         except (psycopg.Error, OSError) as exc:
             raise translate(exc, "LISTEN connection") from exc
 
@@ -198,4 +192,4 @@ class PostgresListenConnection:
             trio.move_on_after(2),
             contextlib.suppress(psycopg.Error, OSError),
         ):
-            await aio.call(self._conn.close)
+            await self._conn.close()

@@ -18,7 +18,7 @@ import pytest
 from relay_tools import demo
 from tests.support import database
 from tests.support.database import Event
-from tests.support.servers import SHARED_NATS_URL
+from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL
 from tests.support.stream import run_js
 
 pytestmark = pytest.mark.integration
@@ -86,6 +86,22 @@ def test_bench_steady_quick_counts_the_relays_cost_per_event(tmp_path):
     assert row["statements_per_event"] > 0
     assert row["p50_ms"] <= row["p99_ms"]
     assert "| this build | 100 |" in result.stdout
+
+
+def test_the_round_trip_bench_prints_each_way_of_waiting():
+    """`python -m relay_tools.bench.roundtrip`: a line per way of waiting, with its CPU
+    and wall time per round trip (figures only: no speed is asserted)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "relay_tools.bench.roundtrip", "--count", "50",
+         "--database-url", SHARED_PG_URL],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    ways = [line.split("CPU")[0].strip() for line in result.stdout.splitlines()]
+    assert ways == ["sync", "asyncio door", "trio", "crossing"]
+    assert all(
+        re.search(r"CPU +[\d.]+ us +wall +[\d.]+ us", line) for line in result.stdout.splitlines()
+    )
 
 
 def test_demo_beside_a_real_outbox_touches_nothing_of_it(db_url, stream):
