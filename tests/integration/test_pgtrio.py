@@ -35,6 +35,14 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
     trio.run(main)
 
 
+async def first_payload(conn: TrioConnection) -> str:
+    with trio.fail_after(10):
+        async with contextlib.aclosing(conn.notifies()) as notices:
+            async for notice in notices:
+                return notice.payload
+    raise AssertionError("the notifications ended")
+
+
 def test_statements_and_notifications_from_trio_and_from_asyncio() -> None:
     async def test() -> None:
         async with connection() as conn:
@@ -45,11 +53,7 @@ def test_statements_and_notifications_from_trio_and_from_asyncio() -> None:
             cursor = await aio.call(conn.execute, "select 'asyncio'")
             assert await aio.call(cursor.fetchone) == ("asyncio",)
             database.execute(SHARED_PG_URL, "select pg_notify('pgtrio_test', 'hello')")
-            with trio.fail_after(10):
-                async with contextlib.aclosing(conn.notifies()) as notices:
-                    async for notice in notices:
-                        assert notice.payload == "hello"
-                        break
+            assert await first_payload(conn) == "hello"
             # psycopg's own bound on the wait, from trio: no notification, no error.
             async with contextlib.aclosing(conn.notifies(timeout=0.05)) as notices:
                 assert [n async for n in notices] == []
@@ -68,11 +72,7 @@ def test_a_notification_wait_cut_short_leaves_the_connection_usable() -> None:
             cursor = await conn.execute("select 1")
             assert await cursor.fetchone() == (1,)
             database.execute(SHARED_PG_URL, "select pg_notify('pgtrio_test', 'after')")
-            with trio.fail_after(10):
-                async with contextlib.aclosing(conn.notifies()) as notices:
-                    async for notice in notices:
-                        assert notice.payload == "after"
-                        break
+            assert await first_payload(conn) == "after"
 
     run(test)
 
