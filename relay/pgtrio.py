@@ -1,8 +1,8 @@
 """A psycopg async connection that trio can drive itself.
 
 psycopg's async API waits through asyncio: under trio-asyncio each wait starts a
-trio task for the reader, queues a timer and resolves a future, about three times
-the CPU of the same round trip waited on by trio directly (docs/performance.md,
+trio task for the reader, queues a timer and resolves a future: 2.3-2.5 times the
+CPU of the same round trip waited on by trio directly (docs/performance.md,
 *Steady load*). :class:`TrioConnection` waits with trio's own primitives when trio
 calls it, and as psycopg does when asyncio does (a pool's checks, the connect).
 
