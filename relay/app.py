@@ -2,7 +2,8 @@
 
 Tasks: the signal watcher, the metrics/health server, the NATS connector, the
 LISTEN task, the fallback poll timer, the scheduler loop, the table gauges, the
-poll of the table's writers (relay/writers.py), retention, and the audit of the
+poll of the table's writers (relay/writers.py), retention, the creation of a
+partitioned table's partitions (relay/partitions.py), and the audit of the
 streams (with --audit-interval). Shutdown goes through trio: SIGTERM or SIGINT
 stops claiming, lets the batch in flight finish inside the publish timeout, then
 cancels the rest.
@@ -31,6 +32,7 @@ from relay.httpserver import HttpServer, metrics_route
 from relay.listen_connection import PostgresListenConnection
 from relay.listener import Listener, server_idle_timeout
 from relay.metrics import Metrics
+from relay.partitions import run_partition_creation
 from relay.retention import run_retention
 from relay.retry import retry
 from relay.scheduler import Scheduler
@@ -286,6 +288,7 @@ class Relay:
         nursery.start_soon(run_gauges, config, self.database, self.metrics)
         nursery.start_soon(run_writer_polls, self.database, self.metrics)
         nursery.start_soon(run_retention, config, self.database, self.metrics)
+        nursery.start_soon(run_partition_creation, config, self.database, self.metrics)
         if config.audit_interval:
             nursery.start_soon(run_audits, config, self.broker, self.metrics)
         nursery.start_soon(self._run_scheduler)

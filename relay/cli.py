@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from relay.config import (
     parse_positive_duration,
     redact_url,
 )
-from relay.errors import ConfigError, RelayError, first_line
+from relay.errors import ConfigError, RelayError, SetupError, first_line
 from relay.logs import setup_logging
 
 log = logging.getLogger("relay")
@@ -50,7 +51,9 @@ _AUDIT_OPTIONS = (
 
 
 def _options_for(command: str) -> tuple[Option, ...]:
-    if command in ("install", "uninstall"):
+    if command == "install":
+        return tuple(o for o in RUN_OPTIONS if o.name in (*_SQL_OPTIONS, "partitions_ahead"))
+    if command == "uninstall":
         return tuple(o for o in RUN_OPTIONS if o.name in _SQL_OPTIONS)
     if command in OPERATOR_COMMANDS:
         return tuple(o for o in RUN_OPTIONS if o.name in _OPERATOR_OPTIONS)
@@ -66,6 +69,13 @@ def _duration(text: str) -> float:
         return parse_positive_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _period(text: str) -> float:
+    seconds = _duration(text)
+    if seconds < 60:
+        raise argparse.ArgumentTypeError("a partition period is at least 1min")
+    return seconds
 
 
 def _uuid(text: str) -> uuid.UUID:
@@ -135,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="ROLE",
                 help="also grant ROLE what `run`, `status`, `requeue` and `skip` need, "
                 "and nothing more (no DDL)",
+            )
+            sql_command.add_argument(
+                "--partitions",
+                type=_period,
+                metavar="PERIOD",
+                help="create the table (when absent) range-partitioned on created_at, one "
+                "partition per PERIOD (1h, 1d; at least 1min), and the partitions "
+                "--partitions-ahead past now; the relay keeps creating them and its "
+                "retention drops expired ones (docs/partitions.md)",
             )
         _add_options(sql_command, _options_for(name))
     status = commands.add_parser(
@@ -239,10 +258,17 @@ def _sql_command(args: argparse.Namespace, config: Config) -> int:
     names = sqlfiles.Names.for_config(config)
     install = args.command == "install"
     grant_to = args.grant_to if install else None
+    partitions = args.partitions if install else None
     if args.print:
         statements = (
             sqlfiles.install_script(names) if install else [sqlfiles.uninstall_script(names)]
         )
+        if partitions is not None:
+            statements = [
+                sqlfiles.partition_statement(names, "create_table"),
+                *statements,
+                *database.first_partitions(names, partitions, config.partitions_ahead, time.time()),
+            ]
         if grant_to is not None:
             statements.append(sqlfiles.grant_script(names, grant_to))
         sys.stdout.write("\n".join(s.as_string() for s in statements) + "\n")
@@ -250,10 +276,10 @@ def _sql_command(args: argparse.Namespace, config: Config) -> int:
     conninfo = database.connection_string(config.database_url)
     try:
         if install:
-            database.install(conninfo, names, grant_to)
+            database.install(conninfo, names, grant_to, partitions, config.partitions_ahead)
         else:
             database.uninstall(conninfo, names)
-    except psycopg.Error as exc:
+    except (psycopg.Error, SetupError) as exc:
         log.error(
             "%s failed on %s: %s", args.command, redact_url(config.database_url), first_line(exc)
         )

@@ -20,8 +20,16 @@ from relay.streams import PUBLISH_MODE_CHOICES
 
 ENV_PREFIX = "OUTBOX_RELAY_"
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|min|m|h|d)?\s*$")
+_UNIT_SECONDS = {
+    "ms": 0.001,
+    "s": 1.0,
+    "min": 60.0,
+    "m": 60.0,
+    "h": 3600.0,
+    "d": 86400.0,
+    None: 1.0,
+}
 # No "$": the names land inside the $$-quoted bodies of sql/install, where "$$" ends one.
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -155,6 +163,7 @@ class Config:
     retention: float = 7 * 86400.0
     retention_interval: float = 60.0
     retention_batch_size: int = 1000
+    partitions_ahead: float = 3 * 86400.0
     audit_interval: float = 0.0  # 0: the relay does not audit the streams
     audit_window: float = 0.0  # 0: the retention window
     listen_keepalive: float = 10.0
@@ -424,6 +433,11 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _duration("retention", "how long published rows are kept"),
     _duration("retention_interval", "how often retention runs"),
     Option("retention_batch_size", _positive_int, "rows deleted per retention statement"),
+    _duration(
+        "partitions_ahead",
+        "on a table partitioned by created_at (`install --partitions`): how far past now "
+        "the relay keeps partitions created",
+    ),
     Option(
         "audit_interval",
         _duration_or_off,

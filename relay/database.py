@@ -28,12 +28,13 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from relay import aio
 from relay.claimstart import ClaimStart, ClaimSummary
-from relay.config import Config
+from relay.config import Config, show_duration
 from relay.errors import DatabaseUnavailable, SetupError, first_line
 from relay.horizon import Holder, read_holders
 from relay.marks import Marks
 from relay.model import OutboxRow, RowId
 from relay.ordering import OrderKey, earliest_blockers
+from relay.partitions import NewPartition, Partition, partitions_to_create, period_of
 from relay.poolers import pooled_from_config
 from relay.sqlfiles import (
     Names,
@@ -42,6 +43,7 @@ from relay.sqlfiles import (
     claim_unprepared,
     grant_script,
     install_script,
+    partition_statement,
     query,
     uninstall_script,
 )
@@ -245,6 +247,9 @@ class Transaction:
         # Behind a transaction pooler: the settings each transaction sets for itself,
         # and the claim goes unprepared (see claim_unprepared).
         self._local_settings = local_settings
+        # The claimed rows' created_at, earliest and latest, a second wider: the marks'
+        # bounds, by which a partitioned table's planner keeps to their partitions.
+        self._created_span = (float("-inf"), float("inf"))
 
     async def claim(
         self, batch_size: int, max_attempts: int, ours: Set[RowId] = frozenset()
@@ -300,6 +305,9 @@ class Transaction:
                 why,
             )
         rows = [OutboxRow(*row[1:]) for row in found if not row[0]]
+        if rows:
+            created = [row.created_at for row in rows]
+            self._created_span = (min(created) - 1.0, max(created) + 1.0)
         blockers = earliest_blockers(
             ((row[4], (row[7], row[8], row[1])) for row in found if row[0]), ours
         )
@@ -311,9 +319,13 @@ class Transaction:
         """One statement for every acked row, one for every failed row, and the
         commit, sent together in one round trip (pipeline mode)."""
         statements: list[tuple[sql.Composed, dict[str, Any]]] = []
+        since, until = self._created_span
         if marks.published:
             statements.append(
-                (query(self._names, "mark_published"), {"ids": _uuid_array(marks.published)})
+                (
+                    query(self._names, "mark_published"),
+                    {"ids": _uuid_array(marks.published), "since": since, "until": until},
+                )
             )
         if marks.failed:
             statements.append(
@@ -324,6 +336,8 @@ class Transaction:
                         "attempts": [m.attempts for m in marks.failed],
                         "delays": [m.retry_delay for m in marks.failed],
                         "errors": [m.error for m in marks.failed],
+                        "since": since,
+                        "until": until,
                     },
                 )
             )
@@ -582,6 +596,122 @@ class Database:
         assert row is not None  # an aggregate always returns one row
         return Deleted(*row)
 
+    async def partition_layout(self) -> PartitionLayout:
+        """Whether the table is partitioned the way the relay manages, by range of
+        created_at, and if so its partitions; with the database's clock."""
+        async with self.connection("partitions") as conn, translated("partitions"):
+            return await aio.call(read_partition_layout, conn, self.names)
+
+    async def create_partitions(self, ahead: float) -> list[NewPartition]:
+        """Create the partitions that make the table reach ``ahead`` seconds past
+        now (none when another relay holds the partition lock)."""
+        async with self.connection("partitions") as conn, translated("create partitions"):
+            return await aio.call(_create_partitions, conn, self.names, ahead, None)
+
+    async def partition_held(self, name: str) -> list[str]:
+        """Up to five ids of rows that keep partition ``name`` from being dropped."""
+        statement = partition_statement(
+            self.names, "partition_held", partition=self.names.partition(name)
+        )
+        async with self.connection("retention") as conn, translated("retention"):
+            cursor = await aio.call(conn.execute, statement)
+            rows = await aio.call(cursor.fetchall)
+        return [row[0] for row in rows]
+
+    async def _partition_ddl(self, statement: str, partition: str, **slots: sql.Composable) -> None:
+        composed = partition_statement(
+            self.names, statement, partition=self.names.partition(partition), **slots
+        )
+        async with self.connection("retention") as conn, translated(f"{statement} {partition}"):
+            await aio.call(conn.execute, composed)
+
+    async def detach_partition(self, name: str) -> None:
+        await self._partition_ddl("detach_partition", name)
+
+    async def finalize_detach(self, name: str) -> None:
+        await self._partition_ddl("finalize_detach", name)
+
+    async def attach_partition(self, name: str, start: float, end: float) -> None:
+        await self._partition_ddl(
+            "attach_partition", name, start=sql.Literal(start), end=sql.Literal(end)
+        )
+
+    async def drop_partition(self, name: str) -> None:
+        await self._partition_ddl("drop_partition", name)
+
+
+@dataclass(frozen=True)
+class PartitionLayout:
+    kind: str | None  # "r" a plain table, "p" a partitioned one, None: no such table
+    managed: bool  # partitioned by range of created_at alone
+    partitions: list[Partition]
+    now: float  # the database's clock, epoch seconds
+
+
+def partition_layout(
+    layout: tuple[Any, ...] | None, partitions: list[tuple[Any, ...]], now: tuple[Any, ...] | None
+) -> PartitionLayout:
+    """The rows of sql/partitions.sql's layout and partitions, and the clock's."""
+    kind, managed = (layout[0], bool(layout[1])) if layout else (None, False)
+    assert now is not None
+    return PartitionLayout(kind, managed, [Partition(*r) for r in partitions], now[0])
+
+
+def partition_creation(names: Names, partition: NewPartition) -> list[sql.Composed]:
+    """The statements that create ``partition`` and attach it to the table."""
+    target = names.partition(partition.name)
+    bounds = {"start": sql.Literal(partition.start), "end": sql.Literal(partition.end)}
+    return [
+        partition_statement(names, "create_partition", partition=target),
+        partition_statement(names, "attach_partition", partition=target, **bounds),
+    ]
+
+
+def first_partitions(names: Names, period: float, ahead: float, now: float) -> list[sql.Composed]:
+    """What a new partitioned table's first partitions take (install --print)."""
+    planned = partitions_to_create([], now, ahead, names.base, period=period)
+    return [statement for p in planned for statement in partition_creation(names, p)]
+
+
+def _layout_statements(names: Names) -> tuple[sql.Composed, sql.Composed, str]:
+    return (
+        partition_statement(names, "layout"),
+        partition_statement(names, "partitions"),
+        "select extract(epoch from statement_timestamp())::float8",
+    )
+
+
+async def read_partition_layout(
+    conn: psycopg.AsyncConnection[Any], names: Names
+) -> PartitionLayout:
+    """asyncio side: the table's kind and partitions, and the database's now."""
+    layout, partitions, now = _layout_statements(names)
+    kind = await (await conn.execute(layout)).fetchone()
+    rows = await (await conn.execute(partitions)).fetchall() if kind and kind[0] == "p" else []
+    return partition_layout(kind, rows, await (await conn.execute(now)).fetchone())
+
+
+async def _create_partitions(
+    conn: psycopg.AsyncConnection[Any], names: Names, ahead: float, period: float | None
+) -> list[NewPartition]:
+    """asyncio side: one transaction under the partition lock that reads the
+    partitions again and creates what they lack."""
+    async with conn.transaction():
+        cursor = await conn.execute(partition_statement(names, "partition_lock"))
+        locked = await cursor.fetchone()
+        if not (locked and locked[0]):
+            return []
+        # ATTACH waits behind other DDL on the table, never behind producers.
+        await conn.execute("select set_config('lock_timeout', '5s', true)")
+        layout = await read_partition_layout(conn, names)
+        planned = partitions_to_create(
+            layout.partitions, layout.now, ahead, names.base, period=period
+        )
+        for partition in planned:
+            for statement in partition_creation(names, partition):
+                await conn.execute(statement)
+    return planned
+
 
 @dataclass(frozen=True)
 class TableHealth:
@@ -590,9 +720,17 @@ class TableHealth:
     next_xid: int
 
 
-def install(conninfo: str, names: Names, grant_to: str | None = None) -> None:
+def install(
+    conninfo: str,
+    names: Names,
+    grant_to: str | None = None,
+    partitions: float | None = None,
+    partitions_ahead: float = Config.partitions_ahead,
+) -> None:
     """Apply every file in sql/install in one transaction (idempotent), and grant
-    ``grant_to`` what a relay running as that role needs."""
+    ``grant_to`` what a relay running as that role needs. With ``partitions`` (a
+    period in seconds), a missing table is created range-partitioned on created_at;
+    on a table partitioned so, partitions are created ``partitions_ahead`` past now."""
     with psycopg.connect(conninfo) as conn, conn.transaction():
         # Two installs at once (a Job retried beside a replica's) must not race on
         # "create ... if not exists"; the lock ends with the transaction.
@@ -601,10 +739,48 @@ def install(conninfo: str, names: Names, grant_to: str | None = None) -> None:
         # behind a long transaction (and stall every producer queued behind us),
         # give up with a clear error after a while. A repeat install takes none.
         conn.execute("set local lock_timeout = '10s'")
+        layout_query, partitions_query, now_query = _layout_statements(names)
+        if partitions is not None:
+            _create_partitioned_table(conn, names, conn.execute(layout_query).fetchone())
         for statement in install_script(names):
             conn.execute(statement)
+        kind = conn.execute(layout_query).fetchone()
+        rows = conn.execute(partitions_query).fetchall() if kind and kind[0] == "p" else []
+        layout = partition_layout(kind, rows, conn.execute(now_query).fetchone())
+        if layout.managed:
+            conn.execute(partition_statement(names, "partition_lock_wait"))
+            period = _install_period(names, period_of(layout.partitions), partitions)
+            planned = partitions_to_create(
+                layout.partitions, layout.now, partitions_ahead, names.base, period=period
+            )
+            for partition in planned:
+                for statement in partition_creation(names, partition):
+                    conn.execute(statement)
         if grant_to is not None:
             conn.execute(grant_script(names, grant_to))
+
+
+def _create_partitioned_table(
+    conn: psycopg.Connection[Any], names: Names, kind: tuple[Any, ...] | None
+) -> None:
+    if kind is None:
+        conn.execute(partition_statement(names, "create_table"))
+    elif kind[0] != "p":
+        raise SetupError(
+            f"{names.display} is a plain table: --partitions creates a partitioned "
+            "one and cannot convert it in place (docs/partitions.md gives the online migration)"
+        )
+
+
+def _install_period(names: Names, existing: float | None, requested: float | None) -> float | None:
+    """The period new partitions get: the table's own, which --partitions may not change."""
+    if existing is not None and requested is not None and existing != requested:
+        raise SetupError(
+            f"{names.display} is partitioned by {show_duration(existing)}, not "
+            f"{show_duration(requested)}: new partitions follow the newest one's width "
+            "(docs/partitions.md says how to change it)"
+        )
+    return existing or requested
 
 
 def uninstall(conninfo: str, names: Names) -> None:

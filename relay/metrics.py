@@ -148,6 +148,11 @@ class Metrics:
     wakeups: Counter
     sleeps: Counter
     retention_deleted: Counter
+    partitions_dropped: Counter
+    partitions_held: Gauge
+    partitions_created: Counter
+    partitions_ahead: Gauge
+    partitions_ahead_target: Gauge
     horizon_age: Gauge
     horizon_xids: Gauge
     table_dead_tuples: Gauge

@@ -1,4 +1,6 @@
-"""Retention: delete spent rows in batches, on a schedule, never unpublished ones."""
+"""Retention: delete spent rows in batches, on a schedule, never unpublished ones;
+on a table partitioned by created_at, drop expired partitions instead
+(relay/partitions.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from relay.config import Config
 from relay.database import Database
 from relay.errors import RelayError
 from relay.metrics import Metrics
+from relay.partitions import retire_partitions
 
 log = logging.getLogger(__name__)
 
@@ -58,24 +61,36 @@ class RetentionCursor:
 async def run_retention(config: Config, database: Database, metrics: Metrics) -> None:
     cursor = RetentionCursor(trio.current_time())
     while True:
-        deleted = 0
-        cursor.start_pass(trio.current_time())
         try:
-            while True:
-                batch = await database.delete_spent(
-                    config.retention, config.retention_batch_size, cursor.after, FULL_PASS_INTERVAL
-                )
-                cursor.deleted_up_to(batch.last_published_at)
-                deleted += batch.count
-                metrics.retention_deleted.inc(batch.count)
-                if batch.count < config.retention_batch_size:
-                    break
-                # Let the scheduler have the database between batches.
-                await trio.sleep(0.01)
+            layout = await database.partition_layout()
+            if layout.managed:
+                await retire_partitions(config, database, metrics, layout)
+            else:
+                await _delete_spent(config, database, metrics, cursor)
         except RelayError as exc:
             cursor.failed()
             metrics.database_errors.labels(task="retention").inc()
             log.warning("retention failed, will retry next round: %s", exc)
+        await trio.sleep(config.retention_interval)
+
+
+async def _delete_spent(
+    config: Config, database: Database, metrics: Metrics, cursor: RetentionCursor
+) -> None:
+    deleted = 0
+    cursor.start_pass(trio.current_time())
+    try:
+        while True:
+            batch = await database.delete_spent(
+                config.retention, config.retention_batch_size, cursor.after, FULL_PASS_INTERVAL
+            )
+            cursor.deleted_up_to(batch.last_published_at)
+            deleted += batch.count
+            metrics.retention_deleted.inc(batch.count)
+            if batch.count < config.retention_batch_size:
+                break
+            # Let the scheduler have the database between batches.
+            await trio.sleep(0.01)
+    finally:
         if deleted:
             log.info("retention deleted %d spent rows", deleted)
-        await trio.sleep(config.retention_interval)

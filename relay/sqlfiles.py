@@ -80,6 +80,8 @@ def install_files() -> list[str]:
 IDLE_LOCK_CLASS = 0x0B0E
 # Held by the relay that audits the streams (--audit-interval), so one replica does.
 AUDIT_LOCK_CLASS = 0x0B0F
+# Held by the relay that creates a partitioned table's partitions, one at a time.
+PARTITION_LOCK_CLASS = 0x0B10
 
 
 def idle_lock_key(config: Config) -> int:
@@ -121,6 +123,9 @@ class Names:
     trigger_name: str
     late_trigger_name: str
     revive_trigger_name: str
+    # The table's schema (empty: the search path's) and name, for its partitions'.
+    schema: tuple[str, ...]
+    base: str
     # The same objects' names as text literals, for catalog checks (to_regclass).
     catalog_names: dict[str, sql.Literal]
     # Queries without slots, composed once (a batch composed its marks every time).
@@ -133,6 +138,19 @@ class Names:
     @property
     def audit_lock(self) -> sql.Composed:
         return sql.SQL("{}, {}").format(sql.Literal(AUDIT_LOCK_CLASS), self.idle_lock_key2)
+
+    @property
+    def partition_lock(self) -> sql.Composed:
+        return sql.SQL("{}, {}").format(sql.Literal(PARTITION_LOCK_CLASS), self.idle_lock_key2)
+
+    @property
+    def display(self) -> str:
+        """The table's name as the configuration gave it."""
+        return ".".join((*self.schema, self.base))
+
+    def partition(self, name: str) -> sql.Identifier:
+        """One of the table's partitions, in the table's schema."""
+        return sql.Identifier(*self.schema, name)
 
     @classmethod
     def for_config(cls, config: Config) -> Names:
@@ -171,6 +189,8 @@ class Names:
             trigger_name=f"{base}_relay_notify",
             late_trigger_name=f"zz_{base}_relay_late",
             revive_trigger_name=f"zz_{base}_relay_revived",
+            schema=tuple(schema),
+            base=base,
             catalog_names={
                 "table": sql.Literal(_quoted(*config.table)),
                 "unpublished_idx": sql.Literal(_quoted(*schema, f"{base}_unpublished_idx")),
@@ -227,6 +247,7 @@ class Names:
             channel=self.channel,
             idle_lock=self.idle_lock,
             audit_lock=self.audit_lock,
+            partition_lock=self.partition_lock,
             idle_lock_key1=self.idle_lock_key1,
             idle_lock_key2=self.idle_lock_key2,
         )
@@ -246,6 +267,17 @@ def grant_script(names: Names, role: str) -> sql.Composed:
     return names.compose(
         read_sql("grant.sql"), role=sql.Identifier(role), role_name=sql.Literal(role)
     )
+
+
+@functools.cache
+def _partition_statements() -> dict[str, str]:
+    return parse_named_blocks(read_sql("partitions.sql"))
+
+
+def partition_statement(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
+    """Statement ``name`` of sql/partitions.sql, ``slots`` filling its own slots
+    (``{partition}``, ``{start}``, ``{end}``)."""
+    return names.compose(_partition_statements()[name], **slots)
 
 
 def uninstall_script(names: Names) -> sql.Composed:

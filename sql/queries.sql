@@ -22,6 +22,7 @@ and not exists (
        where b.subject = {row}.subject
          and b.relay_retry_at > now()
          and (b.created_at, b.relay_seq) < ({row}.created_at, {row}.relay_seq)
+         and b.created_at <= {row}.created_at
       offset 0)
 
 -- fragment: dead
@@ -109,10 +110,16 @@ guard as materialized (
   -- ALWAYS (sql/install/004_late_rows.sql; disabled, they flag nothing), and the
   -- clock has not gone back behind the bound (rows committed since may carry
   -- created_at values before it). Otherwise this claim walks from the first entry.
+  -- A partitioned table's partitions carry their own copies of the triggers, which
+  -- can be disabled one by one (pg_partition_tree has no row for a plain table).
   select (select count(*) from pg_trigger
            where tgrelid = {table_name}::regclass
              and tgname in ({late_trigger_name}, {revive_trigger_name})
              and tgenabled = 'A') < 2
+         or exists (select 1 from pg_trigger
+                     where tgrelid in (select relid from pg_partition_tree({table_name}))
+                       and tgname in ({late_trigger_name}, {revive_trigger_name})
+                       and tgenabled <> 'A')
          or statement_timestamp() < (select since from bound) as off
 ),
 walk_from as materialized (
@@ -137,6 +144,7 @@ start as materialized (
    where coalesce(s.published_at, s.relay_dead_at) is null
      and (s.created_at, s.relay_seq)
          >= ((select created_at from walk_from), (select relay_seq from walk_from))
+     and s.created_at >= (select created_at from walk_from)
    order by s.created_at, s.relay_seq
    limit 1
 ),
@@ -149,6 +157,7 @@ horizon as materialized (
    where {claimable(h)}
      and (h.created_at, h.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
+     and h.created_at >= (select created_at from start)
    order by h.created_at, h.relay_seq
    offset 2 * {batch_size} - 1
    limit 1
@@ -161,6 +170,7 @@ claimed as materialized (
    where {claimable(o)}
      and (o.created_at, o.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
+     and o.created_at >= (select created_at from start)
      -- The horizon as two parameters: an index condition that ends the walk there.
      -- The filter is the horizon's again: this scan locks the rows, and only its
      -- conditions are checked again on a row another relay changed meanwhile.
@@ -187,6 +197,7 @@ ahead as (
      and e.attempts < {max_attempts}
      and (e.created_at, e.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
+     and e.created_at >= (select created_at from start)
      and e.created_at < (select created_at from last)
   union all
   select e.id, e.subject, e.created_at, e.relay_seq
@@ -195,6 +206,7 @@ ahead as (
      and e.attempts < {max_attempts}
      and (e.created_at, e.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
+     and e.created_at >= (select created_at from start)
      and e.created_at = (select created_at from last)
      and e.relay_seq < (select relay_seq from last)
 )
@@ -233,10 +245,13 @@ select null, (select {exact_time(created_at)} from start),
 -- one string costs nothing to send where an array of 500 is dumped element by element.
 -- The server reads it once, as the uuid[] parameter (an expression built from it
 -- here, such as string_to_array, would be evaluated again for every row it is
--- compared with).
+-- compared with). The batch's created_at span (%(since)s, %(until)s, epoch seconds)
+-- is what keeps a partitioned table's marks to the batch's partitions: planned
+-- without it, a mark opened every partition (docs/partitions.md).
 update {table}
    set published_at = clock_timestamp(), relay_retry_at = null, relay_last_error = null
- where id = any(%(ids)s::uuid[]);
+ where id = any(%(ids)s::uuid[])
+   and created_at between to_timestamp(%(since)s) and to_timestamp(%(until)s);
 
 -- name: mark_failed
 -- A row with no delay is dead from now on: relay_dead_at set takes it out of the
@@ -250,7 +265,8 @@ update {table} t
   from unnest(%(ids)s::text[]::uuid[], %(attempts)s::int[], %(delays)s::float8[],
               %(errors)s::text[])
        as f(id, attempts, delay, error)
- where t.id = f.id;
+ where t.id = f.id
+   and t.created_at between to_timestamp(%(since)s) and to_timestamp(%(until)s);
 
 -- name: delete_spent
 -- Retention: spent rows only, oldest first, with the same skip-locked discipline
@@ -306,6 +322,12 @@ select array_remove(array[
                 and tgname in ({late_trigger_name}, {revive_trigger_name})
                 and tgenabled = 'A') < 2
        then 'the late-row triggers are missing or do not fire ALWAYS' end,
+  (select 'the late-row triggers do not fire ALWAYS on partition ' || min(tgrelid::regclass::text)
+     from pg_trigger
+    where tgrelid in (select relid from pg_partition_tree({table_name}))
+      and tgname in ({late_trigger_name}, {revive_trigger_name})
+      and tgenabled <> 'A'
+   having count(*) > 0),
   case when not exists (select 1 from pg_constraint
                          where conrelid = {table_name}::regclass and conname = {seq_check_name})
        then 'the check that every live row has a relay_seq is missing' end,
@@ -572,9 +594,16 @@ select {exact_time(polled_at)}, w.xid,
 -- name: table_health
 -- The table's dead tuples (the statistics' estimate), its size with its indexes
 -- and TOAST, and the next transaction id to be used (for relay/horizon.py's clock).
-select coalesce((select n_dead_tup from pg_stat_user_tables
-                  where relid = %(table)s::regclass), 0),
-       pg_total_relation_size(%(table)s::regclass),
+-- A partitioned table's are its partitions' (pg_partition_tree has no row for a
+-- plain table, and the partitioned table itself holds nothing).
+with parts as (
+  select %(table)s::regclass as relid
+  union
+  select relid from pg_partition_tree(%(table)s::regclass)
+)
+select coalesce((select sum(n_dead_tup) from pg_stat_user_tables
+                  where relid in (select relid from parts)), 0)::bigint,
+       (select sum(pg_total_relation_size(relid)) from parts)::bigint,
        pg_snapshot_xmax(pg_current_snapshot())::text::bigint;
 
 -- name: sweep

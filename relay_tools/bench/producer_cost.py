@@ -11,7 +11,9 @@ in a schema of its own, built by `outbox-relay install` and then stripped:
 - late trigger: and the late-row trigger (its WHEN; the function runs for late rows);
 - installed: and the wake-up trigger: the table as `install` leaves it;
 - installed before: as the install before this change left it (a sequence without
-  CACHE, a wake-up trigger without WHEN, whose function ran for every insert).
+  CACHE, a wake-up trigger without WHEN, whose function ran for every insert);
+- partitioned: the installed table made by `install --partitions 1d` (range
+  partitions of a day on created_at, the key (id, created_at)).
 
 Prints each arrangement's commits/s (median, and each repetition) and its ratio to
 the contract's table.
@@ -24,12 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import time
 
 import psycopg
 from psycopg import sql
 
 from relay.config import Config
-from relay.sqlfiles import Names, install_script
+from relay.database import first_partitions
+from relay.sqlfiles import Names, install_script, partition_statement
 from relay_tools.bench.harness import bench_target
 from relay_tools.bench.measure import pgbench_commits
 
@@ -67,7 +71,10 @@ ARRANGEMENTS: dict[str, tuple[str, ...] | None] = {
     "late trigger": (_WAKEUP,),
     "installed": (),
     "installed before": _BEFORE,
+    "partitioned": (),
 }
+# Arrangements whose table `install --partitions` makes, with their period.
+PARTITIONED = {"partitioned": 86400.0}
 EVENT_TYPE = "bench.created"
 
 
@@ -85,13 +92,19 @@ async def build(url: str) -> None:
                 sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(schema))
             )
             await conn.execute(sql.SQL("create schema {}").format(sql.Identifier(schema)))
-            await conn.execute(CONTRACT.format(table=table).encode())
+            names = Names.for_config(Config(table=(schema, "outbox_events")))
+            period = PARTITIONED.get(arrangement)
+            if period is None:
+                await conn.execute(CONTRACT.format(table=table).encode())
+            else:
+                await conn.execute(partition_statement(names, "create_table"))
             if stripped is None:
                 continue
-            for statement in install_script(
-                Names.for_config(Config(table=(schema, "outbox_events")))
-            ):
+            for statement in install_script(names):
                 await conn.execute(statement)
+            if period is not None:
+                for statement in first_partitions(names, period, period, time.time()):
+                    await conn.execute(statement)
             for change in stripped:
                 await conn.execute(change.format(table=table, schema=schema).encode())
 

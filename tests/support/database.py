@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from relay import database as relay_database
 from relay.config import Config
@@ -37,6 +38,30 @@ def drop_database(server_url: str, url: str) -> None:
 
 def install(url: str, config: Config | None = None) -> None:
     relay_database.install(url, Names.for_config(config or Config()))
+
+
+def install_partitioned(url: str) -> None:
+    """The outbox table partitioned by the minute, ten minutes ahead, and one more
+    partition for everything before the first minute (tests write old created_at
+    values; the relay itself only ever creates bounded partitions)."""
+    names = Names.for_config(Config())
+    relay_database.install(url, names, partitions=60.0, partitions_ahead=600.0)
+    with psycopg.connect(url) as conn:
+        [(first,)] = conn.execute(
+            "select min(b[1]) from pg_inherits i join pg_class c on c.oid = i.inhrelid, "
+            "regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''([^'']*)''\\)') b "
+            "where i.inhparent = 'outbox_events'::regclass"
+        ).fetchall()
+        conn.execute(
+            "create table outbox_events_before (like outbox_events including defaults "
+            "including constraints including storage)"
+        )
+        conn.execute(
+            sql.SQL(
+                "alter table outbox_events attach partition outbox_events_before "
+                "for values from (minvalue) to ({}::timestamptz)"
+            ).format(sql.Literal(first))
+        )
 
 
 @dataclass

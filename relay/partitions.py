@@ -1,0 +1,234 @@
+"""A time-partitioned outbox table: partitions created ahead, and expired ones
+dropped by retention instead of their rows being deleted (docs/partitions.md).
+
+The decisions are the pure functions here; relay/database.py runs their SQL
+(sql/partitions.sql). All times are epoch seconds on the database's clock, which
+is the one that writes created_at.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+import trio
+
+from relay.config import Config
+from relay.errors import RelayError
+from relay.metrics import Metrics
+
+if TYPE_CHECKING:  # relay/database.py runs this module's plans
+    from relay.database import Database, PartitionLayout
+
+log = logging.getLogger(__name__)
+
+# Partitions one round creates at most: a relay back after a long stop catches up
+# over a few rounds rather than holding the partition lock for one long one.
+CREATE_LIMIT = 64
+# Postgres cuts longer identifiers short, and two partitions would then share a name.
+MAX_IDENTIFIER_BYTES = 63
+# Past this many partitions the relay says, once, what they cost every claim
+# (docs/partitions.md, *What partitions cost*).
+PARTITIONS_WARNED = 40
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partition as the catalog has it. ``start``/``end`` are None for a
+    DEFAULT partition or an unbounded one, which the relay leaves alone."""
+
+    name: str
+    start: float | None
+    end: float | None
+    detach_pending: bool = False
+
+
+@dataclass(frozen=True)
+class NewPartition:
+    name: str
+    start: float
+    end: float
+
+
+def partition_name(base: str, start: float) -> str:
+    """``<table>_pYYYYMMDD_HHMM`` of the partition's start in UTC (seconds too when
+    the start is not on a minute), so that names sort as the partitions do."""
+    moment = datetime.fromtimestamp(start, UTC)
+    stamp = moment.strftime("%Y%m%d_%H%M" if moment.second == 0 else "%Y%m%d_%H%M%S")
+    name = f"{base}_p{stamp}"
+    if len(name.encode()) > MAX_IDENTIFIER_BYTES:
+        raise ValueError(
+            f"partition name {name!r} is longer than Postgres's {MAX_IDENTIFIER_BYTES} bytes: "
+            "a partitioned outbox table's name may have at most "
+            f"{MAX_IDENTIFIER_BYTES - len(name.encode()) + len(base.encode())} bytes"
+        )
+    return name
+
+
+def _live(partitions: Sequence[Partition]) -> list[tuple[float, float]]:
+    """The bounds of the partitions that are bounded and not being detached,
+    oldest first."""
+    return sorted(
+        (p.start, p.end)
+        for p in partitions
+        if p.start is not None and p.end is not None and not p.detach_pending
+    )
+
+
+def period_of(partitions: Sequence[Partition]) -> float | None:
+    """The period: the newest bounded partition's width (None: there is none)."""
+    live = _live(partitions)
+    if not live:
+        return None
+    start, end = live[-1]
+    return end - start
+
+
+def partitions_to_create(
+    partitions: Sequence[Partition],
+    now: float,
+    ahead: float,
+    base: str,
+    *,
+    period: float | None = None,
+    limit: int = CREATE_LIMIT,
+) -> list[NewPartition]:
+    """The partitions that make the table reach ``ahead`` seconds past ``now``, each
+    one period wide (the newest partition's width unless ``period`` is given), each
+    starting where the newest ends. After a gap (the relay was stopped longer than
+    the partitions reached) they start again at the period that holds ``now``,
+    aligned to the epoch, rather than fill a past no producer writes to now."""
+    period = period or period_of(partitions)
+    if period is None or period <= 0:
+        return []
+    live = _live(partitions)
+    current = math.floor(now / period) * period
+    start = current
+    if live:
+        newest_end = live[-1][1]
+        start = newest_end if newest_end > current else current
+    created: list[NewPartition] = []
+    while start < now + ahead and len(created) < limit:
+        created.append(NewPartition(partition_name(base, start), start, start + period))
+        start += period
+    return created
+
+
+def reach(partitions: Sequence[Partition], now: float) -> float:
+    """Seconds from ``now`` to the end of the partitions that cover it without a
+    gap: how long producers can go on inserting if no partition were created.
+    0 when none covers ``now`` (producers' inserts fail)."""
+    end: float | None = None
+    for start, stop in _live(partitions):
+        if end is None:
+            if start <= now < stop:
+                end = stop
+        elif start == end:
+            end = stop
+        else:
+            break
+    return 0.0 if end is None else end - now
+
+
+def expired(partitions: Sequence[Partition], now: float, retention: float) -> list[Partition]:
+    """Partitions retention may drop, oldest first: every row in them was created
+    more than ``retention`` ago. A partition whose detach is pending (an earlier
+    round stopped half-way) comes first whatever its age: only the relay's
+    retention or an operator starts one, and it is already out of producers' way."""
+    pending = [p for p in partitions if p.detach_pending]
+    cutoff = now - retention
+    old = [
+        p for p in partitions
+        if not p.detach_pending and p.end is not None and p.start is not None and p.end <= cutoff
+    ]  # fmt: skip
+    return pending + sorted(old, key=lambda p: p.end or 0.0)
+
+
+async def run_partition_creation(config: Config, database: Database, metrics: Metrics) -> None:
+    """Keep the table's partitions reaching ``config.partitions_ahead`` past now, on
+    a range-partitioned table; on a plain one, look again now and then (a table
+    migrated while the relay runs)."""
+    warned = False
+    while True:
+        interval = config.retention_interval
+        try:
+            layout = await database.partition_layout()
+            if len(layout.partitions) > PARTITIONS_WARNED and not warned:
+                warned = True
+                log.warning(
+                    "%s has %d partitions: every claim opens each of them, which costs the "
+                    "claim about 40us a partition (docs/partitions.md); a longer period, or "
+                    "a shorter --retention or --partitions-ahead, makes fewer",
+                    config.table_display,
+                    len(layout.partitions),
+                )
+            # Both gauges stay 0 on a plain table, where the alert on them never fires.
+            metrics.partitions_ahead_target.set(config.partitions_ahead if layout.managed else 0)
+            if layout.managed:
+                created = await database.create_partitions(config.partitions_ahead)
+                if created:
+                    metrics.partitions_created.inc(len(created))
+                    log.info("created partitions %s", ", ".join(p.name for p in created))
+                layout = await database.partition_layout()
+                metrics.partitions_ahead.set(reach(layout.partitions, layout.now))
+                period = period_of(layout.partitions)
+                if period:
+                    # Often enough that one missed round never costs a period's reach.
+                    interval = min(interval, max(period / 4, 1.0))
+                if len(created) == CREATE_LIMIT:
+                    interval = 0.0
+        except RelayError as exc:
+            metrics.database_errors.labels(task="partitions").inc()
+            log.warning("creating partitions failed, will retry: %s", exc)
+        except ValueError as exc:
+            metrics.database_errors.labels(task="partitions").inc()
+            log.error("cannot create partitions: %s", exc)
+        await trio.sleep(interval)
+
+
+async def retire_partitions(
+    config: Config, database: Database, metrics: Metrics, layout: PartitionLayout
+) -> None:
+    """One retention round on a partitioned table (its ``layout`` as just read):
+    every expired partition that holds no row still to publish is detached
+    (concurrently: producers never wait) and dropped. One that holds such rows
+    stays, counted and logged with them."""
+    held = 0
+    for partition in expired(layout.partitions, layout.now, config.retention):
+        if not partition.detach_pending:
+            rows = await database.partition_held(partition.name)
+            if rows:
+                held += 1
+                log.warning(
+                    "retention keeps partition %s of %s: it holds rows not yet published "
+                    "(or dead), such as %s (`outbox-relay status` lists them)",
+                    partition.name,
+                    config.table_display,
+                    ", ".join(rows),
+                )
+                continue
+            await database.detach_partition(partition.name)
+        else:
+            await database.finalize_detach(partition.name)
+        # A row may have come in with an old created_at between the check and the
+        # detach: such a partition goes back, whole.
+        rows = await database.partition_held(partition.name)
+        if rows and partition.start is not None and partition.end is not None:
+            await database.attach_partition(partition.name, partition.start, partition.end)
+            log.warning("retention put partition %s back: rows came in as it was detached "
+                        "(%s)", partition.name, ", ".join(rows))  # fmt: skip
+            held += 1
+            continue
+        if rows:
+            held += 1
+            log.warning("retention leaves detached partition %s alone: it holds rows not yet "
+                        "published (%s)", partition.name, ", ".join(rows))  # fmt: skip
+            continue
+        await database.drop_partition(partition.name)
+        metrics.partitions_dropped.inc()
+        log.info("retention dropped partition %s of %s", partition.name, config.table_display)
+    metrics.partitions_held.set(held)

@@ -1,0 +1,156 @@
+"""What a partitioned outbox table costs the relay's claim and mark, by how many
+partitions it has: the claim as the relay runs it (prepared, past its custom plans,
+from a start key a few seconds back, with the relay's session settings) and a mark
+of one row, each ``--count`` times, on a plain table and on one partitioned by the
+minute with the same rows (``--rows`` spent rows a past partition, a few live ones
+now), in a scratch database on ``--database-url`` (default: the shared server's).
+Prints the wall time per statement, client included, and the ratio.
+
+    python -m relay_tools.bench.partition_cost --partitions 4,13,33,63
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+
+import psycopg
+from psycopg import sql
+
+from relay import database
+from relay.claimstart import MIN_SEQ, StartKey
+from relay.config import Config
+from relay.database import CLAIM_STATEMENT, partition_creation
+from relay.partitions import NewPartition, partition_name
+from relay.sqlfiles import Names, claim_execution, claim_preparation, partition_statement, query
+from relay_tools.bench.harness import with_database
+
+AHEAD = 2  # future partitions, as --partitions-ahead keeps them
+
+
+def _fill(url: str, names: Names, past: int, rows: int) -> None:
+    """``rows`` spent rows in each of ``past`` minutes, and three live rows now."""
+    minute = int(time.time() // 60) * 60
+    table = names.table
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "insert into {} (id, event_type, source, subject, time, data, created_at, "
+                "published_at) select gen_random_uuid(), 'a', 's', 'x' || (g %% 100), now(), "
+                "'{{}}', to_timestamp(%s) + (g %% %s) * interval '1 ms' "
+                "+ (g / %s) * interval '1 minute', now() from generate_series(0, %s - 1) g"
+            ).format(table),
+            (minute - past * 60, rows, rows, past * rows),
+        )
+        conn.execute(
+            sql.SQL(
+                "insert into {} (id, event_type, source, subject, time, data) "
+                "select gen_random_uuid(), 'a', 's', 'x' || g, now(), '{{}}' "
+                "from generate_series(1, 3) g"
+            ).format(table)
+        )
+        conn.execute(sql.SQL("analyze {}").format(table))
+
+
+def _install(url: str, names: Names, partitions: int) -> None:
+    """The table, plain (``partitions`` 0) or partitioned by the minute."""
+    conninfo = database.connection_string(url)
+    if partitions:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(partition_statement(names, "create_table"))
+    database.install(conninfo, names)
+    minute = int(time.time() // 60) * 60
+    with psycopg.connect(url) as conn:
+        for k in range(-(partitions - AHEAD - 1), AHEAD + 1) if partitions else ():
+            start = float(minute + 60 * k)
+            new = NewPartition(partition_name(names.base, start), start, start + 60)
+            for statement in partition_creation(names, new):
+                conn.execute(statement)
+
+
+def _time_statements(url: str, names: Names, count: int) -> tuple[float, float]:
+    """Seconds per claim and per one-row mark."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(time.time() - 5))
+    start = StartKey(stamp, MIN_SEQ, stamp)
+    config = Config(database_url=url, table=(*names.schema, names.base))
+    with psycopg.connect(url, autocommit=True) as conn:
+        for name, value in database.Database(config).session_settings.items():
+            conn.execute("select set_config(%s, %s, false)", (name, value))
+        conn.execute(claim_preparation(names, CLAIM_STATEMENT))
+        claim = claim_execution(CLAIM_STATEMENT, 500, 20, start)
+
+        def one_claim() -> None:
+            cursor = conn.execute(claim)
+            cursor.nextset()
+            cursor.fetchall()
+            conn.execute("rollback")
+
+        for _ in range(10):  # past the custom plans
+            one_claim()
+        began = time.perf_counter()
+        for _ in range(count):
+            one_claim()
+        claim_seconds = (time.perf_counter() - began) / count
+        [(row_id,)] = conn.execute(
+            sql.SQL("select id::text from {} where published_at is null limit 1").format(
+                names.table
+            )
+        ).fetchall()
+        now = time.time()
+        mark = query(names, "mark_published")
+        params = {"ids": "{" + row_id + "}", "since": now - 60, "until": now + 60}
+        began = time.perf_counter()
+        for _ in range(count):
+            conn.execute("begin")
+            conn.execute(mark, params)
+            conn.execute("rollback")
+        mark_seconds = (time.perf_counter() - began) / count
+    return claim_seconds, mark_seconds
+
+
+def measure(server_url: str, counts: list[int], rows: int, count: int) -> None:
+    name = f"outbox_relay_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    url = with_database(server_url, name)
+    try:
+        print(f"{'partitions':>10}  {'claim plain':>11}  {'partitioned':>11}  {'ratio':>5}  "
+              f"{'mark plain':>10}  {'partitioned':>11}  {'ratio':>5}")  # fmt: skip
+        for partitions in counts:
+            figures = []
+            for schema, n in (("plain", 0), ("partitioned", partitions)):
+                names = Names.for_config(Config(table=(schema, "outbox_events")))
+                with psycopg.connect(url, autocommit=True) as conn:
+                    conn.execute(sql.SQL("drop schema if exists {} cascade").format(
+                        sql.Identifier(schema)))  # fmt: skip
+                    conn.execute(sql.SQL("create schema {}").format(sql.Identifier(schema)))
+                _install(url, names, n)
+                _fill(url, names, max(partitions - AHEAD - 1, 1), rows)
+                figures.append(_time_statements(url, names, count))
+            (claim_plain, mark_plain), (claim_parts, mark_parts) = figures
+            print(
+                f"{partitions:>10}  {claim_plain * 1e6:>8.0f} us  {claim_parts * 1e6:>8.0f} us  "
+                f"{claim_parts / claim_plain:>5.2f}  {mark_plain * 1e6:>7.0f} us  "
+                f"{mark_parts * 1e6:>8.0f} us  {mark_parts / mark_plain:>5.2f}"
+            )
+    finally:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--database-url", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--partitions", default="4,13,33,63", help="comma-separated counts")
+    parser.add_argument("--rows", type=int, default=1000, help="spent rows a past partition")
+    parser.add_argument("--count", type=int, default=300, help="statements timed each way")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.partitions.split(",")]
+    measure(args.database_url, counts, args.rows, args.count)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The partition plans: which partitions to create, how far they reach, which
+retention may drop; the decisions relay/partitions.py makes from the catalog."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.partitions import (
+    Partition,
+    expired,
+    partition_name,
+    partitions_to_create,
+    period_of,
+    reach,
+)
+
+MINUTE = 60.0
+HOUR = 3600.0
+# 2026-12-06 03:00:00 UTC
+T = 1796526000.0
+
+
+def hourly(*offsets: int, pending: frozenset[int] = frozenset()) -> list[Partition]:
+    return [
+        Partition(partition_name("outbox_events", T + k * HOUR), T + k * HOUR,
+                  T + (k + 1) * HOUR, k in pending)
+        for k in offsets
+    ]  # fmt: skip
+
+
+def test_a_partition_is_named_by_its_start_in_utc_and_names_sort_as_starts():
+    assert partition_name("outbox_events", T) == "outbox_events_p20261206_0300"
+    assert partition_name("outbox_events", T + 30) == "outbox_events_p20261206_030030"
+    starts = [T + k * 7 * MINUTE for k in range(50)]
+    names = [partition_name("o", s) for s in starts if s % 60 == 0]
+    assert names == sorted(names)
+
+
+def test_a_name_postgres_would_cut_short_is_refused():
+    with pytest.raises(ValueError, match="longer than Postgres's 63 bytes"):
+        partition_name("x" * 50, T)
+
+
+def test_the_period_is_the_newest_partitions_width():
+    day = Partition("d", T - 86400.0, T)
+    assert period_of([day, *hourly(0)]) == HOUR
+    assert period_of([Partition("default", None, None)]) is None
+    assert period_of([]) is None
+
+
+def test_partitions_are_created_from_the_newest_end_until_they_reach_ahead():
+    created = partitions_to_create(hourly(0, 1), T + 10 * MINUTE, 4 * HOUR, "outbox_events")
+    assert [(p.start, p.end) for p in created] == [
+        (T + 2 * HOUR, T + 3 * HOUR), (T + 3 * HOUR, T + 4 * HOUR), (T + 4 * HOUR, T + 5 * HOUR)
+    ]  # fmt: skip
+    assert created[0].name == "outbox_events_p20261206_0500"
+    # Reached already: nothing.
+    assert partitions_to_create(hourly(0, 1, 2, 3, 4), T + 10 * MINUTE, 4 * HOUR, "o") == []
+
+
+def test_a_new_table_starts_at_the_period_that_holds_now():
+    created = partitions_to_create([], T + 10 * MINUTE, 2 * HOUR, "o", period=HOUR)
+    assert [p.start for p in created] == [T, T + HOUR, T + 2 * HOUR]
+    # No period known, none given: nothing (a table install has not partitioned).
+    assert partitions_to_create([], T, HOUR, "o") == []
+
+
+def test_after_a_gap_creation_starts_again_at_now_not_in_the_past():
+    created = partitions_to_create(hourly(-30), T + 10 * MINUTE, HOUR, "o")
+    assert [p.start for p in created] == [T, T + HOUR]
+
+
+def test_one_round_creates_at_most_its_limit():
+    created = partitions_to_create([], T, 1000 * MINUTE, "o", period=MINUTE, limit=5)
+    assert len(created) == 5
+
+
+def test_the_reach_follows_the_partitions_without_a_gap_from_now():
+    now = T + 10 * MINUTE
+    assert reach(hourly(0, 1, 2), now) == 3 * HOUR - 10 * MINUTE
+    assert reach(hourly(0, 1, 3), now) == 2 * HOUR - 10 * MINUTE  # the gap ends it
+    assert reach(hourly(1, 2), now) == 0.0  # nothing holds now: inserts fail
+    assert reach(hourly(0, 1, pending=frozenset({1})), now) == HOUR - 10 * MINUTE
+
+
+def test_retention_may_drop_partitions_whose_every_row_is_older_than_retention():
+    partitions = [*hourly(-5, -4, -3, -2, -1, 0), Partition("default", None, None)]
+    now = T + 10 * MINUTE
+    assert [p.start for p in expired(partitions, now, 3 * HOUR)] == [T - 5 * HOUR, T - 4 * HOUR]
+    # A pending detach is finished first, whatever its age.
+    pending = hourly(-5, -1, pending=frozenset({-1}))
+    assert [p.start for p in expired(pending, now, 3 * HOUR)] == [T - HOUR, T - 5 * HOUR]
