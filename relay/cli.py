@@ -425,6 +425,13 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "the end, a prepared transaction that wrote one, a report on a hot standby",
     )
     bench.add_argument(
+        "--partitions",
+        type=_period,
+        metavar="PERIOD",
+        help="with --soak: also the soak on a table partitioned by PERIOD (retention drops "
+        "partitions), after the plain table's, and the two compared (WAL, size, p99)",
+    )
+    bench.add_argument(
         "--replicas",
         type=int,
         metavar="N",
@@ -493,6 +500,17 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
                 plan = dataclasses.replace(plan, holder=args.holder)
             if args.replicas is not None:
                 plan = dataclasses.replace(plan, replicas=args.replicas)
+            if args.partitions is not None:
+                # Long enough before the hold for the table's size to settle (a
+                # partition filled and an expired one dropped), and after it for its
+                # partitions to age out and go.
+                settle = 1.5 * args.partitions + 30.0
+                plan = dataclasses.replace(
+                    plan,
+                    partitions=args.partitions,
+                    before=max(plan.before, settle),
+                    after=max(plan.after, settle + 60.0),
+                )
             return soak.main(args.database_url, args.nats_url, plan, args.json)
         if args.features:
             from relay_tools.bench import features  # noqa: PLC0415

@@ -90,6 +90,18 @@ class Target:
         """`outbox-relay install` on the database (the relay's trigger included)."""
         await asyncio.to_thread(install, connection_string(self.url), Names.for_config(Config()))
 
+    async def install_partitioned(self, period: float, ahead: float) -> None:
+        """The table made again by `install --partitions`: range partitions of
+        ``period`` seconds on created_at, ``ahead`` seconds of them past now."""
+        await self.execute("drop table if exists outbox_events cascade")
+        await asyncio.to_thread(
+            install,
+            connection_string(self.url),
+            Names.for_config(Config()),
+            partitions=period,
+            partitions_ahead=ahead,
+        )
+
     async def uninstall(self) -> None:
         """`outbox-relay uninstall`: the contract's table alone is left."""
         await asyncio.to_thread(uninstall, connection_string(self.url), Names.for_config(Config()))

@@ -11,6 +11,12 @@ dead tuples and size, the backlog (committed, not yet arrived) and the relay's C
 The verdict: every window of the hold keeps its p99 within twice the p99 before it
 (or under 40 ms, whichever is larger), the backlog never passes one second of load,
 and every event arrives once, in order per subject.
+
+With ``partitions`` (``bench --soak --partitions PERIOD``) the same soak runs twice,
+on the plain table and on one partitioned by PERIOD (whose retention drops
+partitions), and the two are compared: WAL bytes per event
+(``pg_current_wal_lsn()``), rows deleted, autovacuum runs, the table's size after the
+hold and p99 (:func:`layout_verdicts`).
 """
 
 from __future__ import annotations
@@ -21,14 +27,14 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import nats
 import psycopg
 from nats.aio.msg import Msg
 
-from relay.config import Config
+from relay.config import Config, parse_positive_duration
 from relay.sqlfiles import Names, query
 from relay_tools.bench.harness import (
     RelayProcess,
@@ -65,6 +71,23 @@ HOLDER_TEXT = {
 P99_RATIO = 2.0
 P99_FLOOR_MS = 40.0
 BACKLOG_SECONDS = 1.0
+# A partitioned table against the plain one, in one run: WAL per event at most this
+# share of the plain table's; the size at the end at most this share of the size
+# before the hold (the bloat gone with its partitions); p99 within this share of
+# the plain table's (the run-to-run noise of one soak on this machine).
+WAL_RATIO = 0.75
+SIZE_AFTER_RATIO = 1.25
+P99_LAYOUT_RATIO = 1.10
+
+# The table's WAL, deletes and autovacuum runs so far, partitions summed (dropped
+# partitions' statistics go with them: retention deletes nothing there anyway).
+TABLE_COUNTERS = """
+select pg_current_wal_lsn() - '0/0',
+       coalesce(sum(n_tup_del), 0), coalesce(sum(autovacuum_count), 0)
+  from pg_stat_user_tables
+ where relid in (select 'outbox_events'::regclass
+                 union select relid from pg_partition_tree('outbox_events'))
+"""
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,11 @@ class SoakPlan:
     retention_interval: str = "5s"
     holder: str = "report"
     replicas: int = 1
+    # Seconds a partition, to compare a partitioned table with the plain one (None:
+    # the plain table only); and how far ahead its relays keep partitions.
+    partitions: float | None = None
+    partitions_ahead: str = "5min"
+    layout: str = "plain"
 
     @classmethod
     def quick(cls) -> SoakPlan:
@@ -116,6 +144,10 @@ class SoakReport:
     # The held outbox row (outbox-writer, prepared): from its commit to its arrival.
     held_row_ms: float | None = None
     verdicts: list[tuple[str, bool]] = field(default_factory=list)
+    wal_bytes: int = 0
+    rows_deleted: int = 0
+    autovacuum_runs: int = 0
+    p99_ms: float = 0.0  # over every event of the run
 
 
 @dataclass
@@ -299,16 +331,20 @@ def verdicts(report: SoakReport) -> list[tuple[str, bool]]:
     ]
 
 
+async def _table_counters(target: Target) -> tuple[int, int, int]:
+    async with await psycopg.AsyncConnection.connect(target.url, autocommit=True) as conn:
+        row = await (await conn.execute(TABLE_COUNTERS)).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1]), int(row[2])
+
+
 async def soak(target: Target, plan: SoakPlan, standby_url: str | None = None) -> SoakReport:
-    relays = [
-        RelayProcess(
-            target.url,
-            target.nats_url,
-            retention=plan.retention,
-            retention_interval=plan.retention_interval,
-        )
-        for _ in range(plan.replicas)
-    ]
+    settings = {"retention": plan.retention, "retention_interval": plan.retention_interval}
+    if plan.layout == "partitioned":
+        assert plan.partitions is not None
+        settings["partitions_ahead"] = plan.partitions_ahead
+    relays = [RelayProcess(target.url, target.nats_url, **settings) for _ in range(plan.replicas)]
+    counters = await _table_counters(target)
     run = _Run(started=0.0)
     nc = await nats.connect(target.nats_url)
     stop = asyncio.Event()
@@ -333,6 +369,10 @@ async def soak(target: Target, plan: SoakPlan, standby_url: str | None = None) -
             await sampler
     finally:
         await nc.close()
+    wal, deleted, autovacuums = (
+        after - before
+        for after, before in zip(await _table_counters(target), counters, strict=True)
+    )
     lost = len(set(run.committed) - set(run.arrived))
     report = SoakReport(
         plan,
@@ -343,15 +383,56 @@ async def soak(target: Target, plan: SoakPlan, standby_url: str | None = None) -
         run.inversions,
         _drained_after_release(plan, run),
         _held_row_ms(run),
+        wal_bytes=wal,
+        rows_deleted=deleted,
+        autovacuum_runs=autovacuums,
+        p99_ms=percentile(
+            [run.arrived[i] - at for i, (at, _, _) in run.committed.items() if i in run.arrived],
+            0.99,
+        )
+        * 1000,
     )
     report.verdicts = verdicts(report)
     return report
 
 
+def table_sizes(report: SoakReport) -> tuple[float, float]:
+    """The table's largest size before the hold, and over the run's last minute and
+    a half: a partitioned table's size is a saw (a partition fills, an expired one
+    goes), so its teeth are compared."""
+    plan = report.plan
+    before = [w.table_mb for w in report.windows if w.start + plan.window <= plan.before]
+    last = [w.table_mb for w in report.windows if w.start >= plan.seconds - 90.0]
+    return max(before, default=0.0), max(last, default=0.0)
+
+
+def layout_verdicts(plain: SoakReport, partitioned: SoakReport) -> list[tuple[str, bool]]:
+    """The partitioned table against the plain one, run in turns."""
+    wal = [r.wal_bytes / max(r.committed, 1) for r in (plain, partitioned)]
+    p99 = [r.p99_ms for r in (plain, partitioned)]
+    before, after = table_sizes(partitioned)
+    return [
+        (f"partitioned: retention deleted {partitioned.rows_deleted} rows == 0",
+         partitioned.rows_deleted == 0),
+        (f"WAL per event {wal[1]:,.0f} B <= {WAL_RATIO:g} x the plain table's {wal[0]:,.0f} B",
+         wal[1] <= WAL_RATIO * wal[0]),
+        (f"partitioned: table at most {after:.1f} MB in the last 90 s <= {SIZE_AFTER_RATIO:g} x "
+         f"{before:.1f} MB before the hold", after <= SIZE_AFTER_RATIO * before),
+        (f"p99 over the run {p99[1]:.1f} ms <= {P99_LAYOUT_RATIO:g} x the plain table's "
+         f"{p99[0]:.1f} ms", p99[1] <= P99_LAYOUT_RATIO * p99[0]),
+    ]  # fmt: skip
+
+
 def render(report: SoakReport) -> str:
     plan = report.plan
+    layout = (
+        f"a table partitioned by {plan.partitions:g} s, {plan.partitions_ahead} ahead"
+        if plan.layout == "partitioned"
+        else "the plain table"
+    )
     lines = [
-        f"soak: {plan.rate:g} events/s over {plan.subjects} subjects for {plan.seconds:g} s, "
+        f"soak on {layout}: {plan.rate:g} events/s over {plan.subjects} subjects for "
+        f"{plan.seconds:g} s, "
         f"{plan.replicas} relay{'s' if plan.replicas > 1 else ''}; the horizon held by "
         f"{HOLDER_TEXT[plan.holder]} from {plan.before:g} s to {plan.before + plan.hold:g} s; "
         f"retention {plan.retention} every {plan.retention_interval}",
@@ -379,10 +460,23 @@ def render(report: SoakReport) -> str:
             if report.held_row_ms is not None
             else []
         ),
+        f"p99 over the run {report.p99_ms:.1f} ms; table at most "
+        f"{table_sizes(report)[0]:.1f} MB before the hold, {table_sizes(report)[1]:.1f} MB "
+        "in the last 90 s",
+        f"WAL {report.wal_bytes / max(report.committed, 1):,.0f} bytes per event; "
+        f"rows deleted {report.rows_deleted}; autovacuum runs {report.autovacuum_runs} "
+        "(on the tables left at the end)",
         "",
         "targets:",
         *(f"  {'met' if ok else 'NOT MET'}: {text}" for text, ok in report.verdicts),
     ]
+    return "\n".join(lines) + "\n"
+
+
+def render_layouts(plain: SoakReport, partitioned: SoakReport) -> str:
+    lines = ["partitioned against plain, in turns on one machine:"]
+    lines += [f"  {'met' if ok else 'NOT MET'}: {text}" for text, ok in
+              layout_verdicts(plain, partitioned)]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -402,6 +496,10 @@ async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) 
             )
             database_url = primary.url
         async with bench_target(database_url, nats_url) as target:
+            if plan.layout == "partitioned":
+                assert plan.partitions is not None
+                ahead = parse_positive_duration(plan.partitions_ahead)
+                await target.install_partitioned(plan.partitions, ahead)
             standby_url = None
             if plan.holder == "standby":
                 assert primary is not None
@@ -418,10 +516,21 @@ def main(
     plan: SoakPlan,
     json_path: str | None,
 ) -> int:
-    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
-        report = runner.run(_main(database_url, nats_url, plan))
-    print(render(report), end="")
+    layouts = ["plain", "partitioned"] if plan.partitions is not None else ["plain"]
+    reports = []
+    for layout in layouts:
+        with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+            report = runner.run(_main(database_url, nats_url, replace(plan, layout=layout)))
+        print(render(report))
+        reports.append(report)
+    verdicts_met = all(ok for report in reports for _, ok in report.verdicts)
+    if len(reports) == 2:
+        print(render_layouts(*reports), end="")
+        verdicts_met = verdicts_met and all(ok for _, ok in layout_verdicts(*reports))
     if json_path:
+        # The plain table's soak as ever (the charts read it), the partitioned one inside.
+        plain, *partitioned = ({**asdict(r), "plan": asdict(r.plan)} for r in reports)
         with open(json_path, "w", encoding="utf-8") as out:
-            out.write(dumps({**asdict(report), "plan": asdict(plan)}) + "\n")
-    return 0 if all(ok for _, ok in report.verdicts) else 1
+            out.write(dumps({**plain, "partitioned": partitioned[0]} if partitioned else plain))
+            out.write("\n")
+    return 0 if verdicts_met else 1
