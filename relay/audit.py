@@ -48,7 +48,7 @@ from relay.headers import trace_context
 from relay.metrics import Metrics
 from relay.model import OutboxRow
 from relay.ordering import SubjectQueues
-from relay.sqlfiles import Names, query
+from relay.sqlfiles import Names, partition_statement, query
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,9 @@ class AuditReport:
     repaired: list[str] = field(default_factory=list)
     repair_failed: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    # A partitioned table's envelope ids written more than once in the window, and
+    # how often: Postgres enforces them unique within a partition only.
+    duplicate_ids: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> str:
         return json.dumps(
@@ -209,6 +212,7 @@ class AuditReport:
                 "streams": self.streams,
                 "repaired": self.repaired,
                 "repair_failed": self.repair_failed,
+                "duplicate_ids": self.duplicate_ids,
                 "seconds": round(self.seconds, 3),
             },
             indent=2,
@@ -233,6 +237,12 @@ class AuditReport:
         if self.repaired or self.repair_failed:
             lines.append(f"repaired {len(self.repaired)} rows (published again)")
             lines += [f"  not repaired {i}: {why}" for i, why in self.repair_failed.items()]
+        if self.duplicate_ids:
+            lines.append(
+                f"{len(self.duplicate_ids)} envelope ids written more than once (consumers "
+                "dedupe all but one of each: a producer reused an id)"
+            )
+            lines += [f"  id {i} {n} times" for i, n in list(self.duplicate_ids.items())[:shown]]
         return "\n".join(lines) + "\n"
 
 
@@ -369,12 +379,28 @@ async def audit(
                     continue
             absent.append(MissingRow(row_id, event_type, subject, published_at, stream))
     await conn.commit()  # the cursor's transaction: hold no snapshot past the read
+    report.duplicate_ids = await _duplicate_ids(conn, names, since)
     mark_delay = publish_timeout + _MARK_AFTER_ACK
     await _sort_absent(nc, absent, views, now, report, mark_delay=mark_delay)
     if repair and report.missing:
         await _repair(conn, nc, names, report, binary=binary)
     report.seconds = time.monotonic() - started
     return report
+
+
+async def _duplicate_ids(
+    conn: psycopg.AsyncConnection[Any], names: Names, since: float
+) -> dict[str, int]:
+    """On a partitioned table, the ids of rows created in the window that another
+    row shares (a plain table's primary key refuses them)."""
+    cursor = await conn.execute(partition_statement(names, "layout"))
+    layout = await cursor.fetchone()
+    found: dict[str, int] = {}
+    if layout is not None and layout[0] == "p":
+        cursor = await conn.execute(partition_statement(names, "duplicate_ids"), {"window": since})
+        found = {row_id: int(count) for row_id, count in await cursor.fetchall()}
+    await conn.commit()
+    return found
 
 
 async def _sort_absent(
@@ -570,6 +596,7 @@ async def run_audits(config: Config, broker: Broker, metrics: Metrics) -> None:
             log.info("audit skipped: another relay is auditing the table")
             continue
         metrics.audit_missing.set(len(report.missing))
+        metrics.audit_duplicate_ids.set(len(report.duplicate_ids))
         metrics.audit_checked.set(report.checked)
         metrics.audit_expired.set(report.expired)
         metrics.audit_last_success.set(time.time())
@@ -582,3 +609,10 @@ async def run_audits(config: Config, broker: Broker, metrics: Metrics) -> None:
             )
         else:
             log.info(report.summary().splitlines()[0])
+        if report.duplicate_ids:
+            log.error(
+                "audit: %d envelope ids were written more than once (first: %s): consumers "
+                "dedupe all but one row of each; the producer reused an id",
+                len(report.duplicate_ids),
+                ", ".join(list(report.duplicate_ids)[:5]),
+            )

@@ -206,9 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
         "exit 1 when some are missing",
         description="Reads, headers only, what the streams that capture the relay's "
         "event types hold, and compares it with the rows marked published. A message "
-        "that one of its stream's limits removed is counted apart, not missing. Exit "
-        "status: 0 nothing missing, 1 rows missing (repaired or not), 2 a usage or "
-        "connection error.",
+        "that one of its stream's limits removed is counted apart, not missing. On a "
+        "partitioned table it also looks for envelope ids written more than once. Exit "
+        "status: 0 nothing missing, 1 rows missing (repaired or not) or ids written twice, "
+        "2 a usage or connection error.",
     )
     _add_window_and_json(audit, "how far back to look (default: --audit-window, else --retention)")
     audit.add_argument(
@@ -346,7 +347,7 @@ def _audit(args: argparse.Namespace, config: Config) -> int:
         log.error("audit failed: %s", first_line(exc))
         return 2
     sys.stdout.write(report.as_json() + "\n" if args.json else report.summary())
-    return 1 if report.missing else 0
+    return 1 if report.missing or report.duplicate_ids else 0
 
 
 def _validate(args: argparse.Namespace, config: Config) -> int:
@@ -501,16 +502,7 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
             if args.replicas is not None:
                 plan = dataclasses.replace(plan, replicas=args.replicas)
             if args.partitions is not None:
-                # Long enough before the hold for the table's size to settle (a
-                # partition filled and an expired one dropped), and after it for its
-                # partitions to age out and go.
-                settle = 1.5 * args.partitions + 30.0
-                plan = dataclasses.replace(
-                    plan,
-                    partitions=args.partitions,
-                    before=max(plan.before, settle),
-                    after=max(plan.after, settle + 60.0),
-                )
+                plan = plan.for_layouts(args.partitions)
             return soak.main(args.database_url, args.nats_url, plan, args.json)
         if args.features:
             from relay_tools.bench import features  # noqa: PLC0415

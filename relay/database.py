@@ -674,11 +674,15 @@ def first_partitions(names: Names, period: float, ahead: float, now: float) -> l
 
 
 def _layout_statements(names: Names) -> tuple[sql.Composed, sql.Composed, str]:
+    """The table's kind; its partitions, after the settings that read their bounds
+    right (in the same transaction); the database's clock."""
     return (
         partition_statement(names, "layout"),
-        partition_statement(names, "partitions"),
+        # On a line of its own: a block may end in a comment.
+        partition_statement(names, "readable_bounds") + sql.SQL("\n;\n")
+        + partition_statement(names, "partitions"),
         "select extract(epoch from statement_timestamp())::float8",
-    )
+    )  # fmt: skip
 
 
 async def read_partition_layout(
@@ -686,9 +690,15 @@ async def read_partition_layout(
 ) -> PartitionLayout:
     """asyncio side: the table's kind and partitions, and the database's now."""
     layout, partitions, now = _layout_statements(names)
-    kind = await (await conn.execute(layout)).fetchone()
-    rows = await (await conn.execute(partitions)).fetchall() if kind and kind[0] == "p" else []
-    return partition_layout(kind, rows, await (await conn.execute(now)).fetchone())
+    async with conn.transaction():
+        kind = await (await conn.execute(layout)).fetchone()
+        rows: list[tuple[Any, ...]] = []
+        if kind and kind[0] == "p":
+            cursor = await conn.execute(partitions)
+            cursor.nextset()
+            rows = await cursor.fetchall()
+        clock = await (await conn.execute(now)).fetchone()
+    return partition_layout(kind, rows, clock)
 
 
 async def _create_partitions(
@@ -745,7 +755,11 @@ def install(
         for statement in install_script(names):
             conn.execute(statement)
         kind = conn.execute(layout_query).fetchone()
-        rows = conn.execute(partitions_query).fetchall() if kind and kind[0] == "p" else []
+        rows: list[tuple[Any, ...]] = []
+        if kind and kind[0] == "p":
+            cursor = conn.execute(partitions_query)
+            cursor.nextset()
+            rows = cursor.fetchall()
         layout = partition_layout(kind, rows, conn.execute(now_query).fetchone())
         if layout.managed:
             conn.execute(partition_statement(names, "partition_lock_wait"))
@@ -768,7 +782,7 @@ def _create_partitioned_table(
     elif kind[0] != "p":
         raise SetupError(
             f"{names.display} is a plain table: --partitions creates a partitioned "
-            "one and cannot convert it in place (docs/partitions.md gives the online migration)"
+            "one and cannot convert it in place (docs/partitions.md, *Installing*)"
         )
 
 
@@ -778,7 +792,7 @@ def _install_period(names: Names, existing: float | None, requested: float | Non
         raise SetupError(
             f"{names.display} is partitioned by {show_duration(existing)}, not "
             f"{show_duration(requested)}: new partitions follow the newest one's width "
-            "(docs/partitions.md says how to change it)"
+            "(docs/partitions.md says how to change the period)"
         )
     return existing or requested
 

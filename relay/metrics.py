@@ -167,6 +167,7 @@ class Metrics:
     batch_publishes: Counter
     short_duplicate_windows: Gauge
     audit_missing: Gauge
+    audit_duplicate_ids: Gauge
     audit_checked: Gauge
     audit_expired: Gauge
     audit_last_success: Gauge

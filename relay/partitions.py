@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from relay.config import Config
-from relay.errors import RelayError
+from relay.errors import RelayError, SetupError, first_line
 from relay.metrics import Metrics
 
 if TYPE_CHECKING:  # relay/database.py runs this module's plans
@@ -70,8 +70,8 @@ def partition_name(base: str, start: float) -> str:
 
 
 def _live(partitions: Sequence[Partition]) -> list[tuple[float, float]]:
-    """The bounds of the partitions that are bounded and not being detached,
-    oldest first."""
+    """The bounds of the partitions that are not DEFAULT and not being detached,
+    oldest first (a MINVALUE start is -inf, a MAXVALUE end inf)."""
     return sorted(
         (p.start, p.end)
         for p in partitions
@@ -80,12 +80,10 @@ def _live(partitions: Sequence[Partition]) -> list[tuple[float, float]]:
 
 
 def period_of(partitions: Sequence[Partition]) -> float | None:
-    """The period: the newest bounded partition's width (None: there is none)."""
-    live = _live(partitions)
-    if not live:
-        return None
-    start, end = live[-1]
-    return end - start
+    """The period: the newest partition's width, of those with two finite bounds
+    (None: there is none)."""
+    widths = [end - start for start, end in _live(partitions) if math.isfinite(end - start)]
+    return widths[-1] if widths else None
 
 
 def partitions_to_create(
@@ -109,7 +107,9 @@ def partitions_to_create(
     current = math.floor(now / period) * period
     start = current
     if live:
-        newest_end = live[-1][1]
+        newest_end = max(end for _, end in live)
+        if math.isinf(newest_end):  # a MAXVALUE partition: nothing can follow it
+            return []
         start = newest_end if newest_end > current else current
     created: list[NewPartition] = []
     while start < now + ahead and len(created) < limit:
@@ -121,7 +121,7 @@ def partitions_to_create(
 def reach(partitions: Sequence[Partition], now: float) -> float:
     """Seconds from ``now`` to the end of the partitions that cover it without a
     gap: how long producers can go on inserting if no partition were created.
-    0 when none covers ``now`` (producers' inserts fail)."""
+    0 when none covers ``now`` (producers' inserts fail); inf past a MAXVALUE one."""
     end: float | None = None
     for start, stop in _live(partitions):
         if end is None:
@@ -145,7 +145,7 @@ def expired(partitions: Sequence[Partition], now: float, retention: float) -> li
         p for p in partitions
         if not p.detach_pending and p.end is not None and p.start is not None and p.end <= cutoff
     ]  # fmt: skip
-    return pending + sorted(old, key=lambda p: p.end or 0.0)
+    return pending + sorted(old, key=lambda p: p.end or 0.0)  # every end here is a float
 
 
 async def run_partition_creation(config: Config, database: Database, metrics: Metrics) -> None:
@@ -157,30 +157,27 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
         interval = config.retention_interval
         try:
             layout = await database.partition_layout()
-            if len(layout.partitions) > PARTITIONS_WARNED and not warned:
-                warned = True
-                log.warning(
-                    "%s has %d partitions: every claim opens each of them, which costs the "
-                    "claim about 40us a partition (docs/partitions.md); a longer period, or "
-                    "a shorter --retention or --partitions-ahead, makes fewer",
-                    config.table_display,
-                    len(layout.partitions),
-                )
             # Both gauges stay 0 on a plain table, where the alert on them never fires.
             metrics.partitions_ahead_target.set(config.partitions_ahead if layout.managed else 0)
             if layout.managed:
-                created = await database.create_partitions(config.partitions_ahead)
-                if created:
-                    metrics.partitions_created.inc(len(created))
-                    log.info("created partitions %s", ", ".join(p.name for p in created))
-                layout = await database.partition_layout()
-                metrics.partitions_ahead.set(reach(layout.partitions, layout.now))
-                period = period_of(layout.partitions)
-                if period:
-                    # Often enough that one missed round never costs a period's reach.
-                    interval = min(interval, max(period / 4, 1.0))
-                if len(created) == CREATE_LIMIT:
-                    interval = 0.0
+                if len(layout.partitions) > PARTITIONS_WARNED and not warned:
+                    warned = True
+                    log.warning(
+                        "%s has %d partitions: every claim opens each of them, which costs "
+                        "the claim about 40us a partition (docs/partitions.md); a longer "
+                        "period, or a shorter --retention or --partitions-ahead, makes fewer",
+                        config.table_display,
+                        len(layout.partitions),
+                    )
+                interval = await _create_ahead(config, database, metrics, layout)
+        except SetupError as exc:
+            metrics.database_errors.labels(task="partitions").inc()
+            log.error(
+                "creating partitions failed: %s; creating them takes the table's owner (a "
+                "role from `install --grant-to` has no DDL): run the relay as the owner, or "
+                "`outbox-relay install` as the owner on a schedule (docs/partitions.md)",
+                first_line(exc.__cause__ or exc),  # the server's words, not the grant hint
+            )
         except RelayError as exc:
             metrics.database_errors.labels(task="partitions").inc()
             log.warning("creating partitions failed, will retry: %s", exc)
@@ -188,6 +185,26 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
             metrics.database_errors.labels(task="partitions").inc()
             log.error("cannot create partitions: %s", exc)
         await trio.sleep(interval)
+
+
+async def _create_ahead(
+    config: Config, database: Database, metrics: Metrics, layout: PartitionLayout
+) -> float:
+    """One round: the reach as it is (exported first, so that it is right when
+    creating fails), the partitions the table lacks, and the delay to the next round."""
+    metrics.partitions_ahead.set(reach(layout.partitions, layout.now))
+    interval = config.retention_interval
+    period = period_of(layout.partitions)
+    if period:
+        # Often enough that one missed round never costs a period's reach.
+        interval = min(interval, max(period / 4, 1.0))
+    created = await database.create_partitions(config.partitions_ahead)
+    if created:
+        metrics.partitions_created.inc(len(created))
+        log.info("created partitions %s", ", ".join(p.name for p in created))
+        layout = await database.partition_layout()
+        metrics.partitions_ahead.set(reach(layout.partitions, layout.now))
+    return 0.0 if len(created) == CREATE_LIMIT else interval
 
 
 async def retire_partitions(

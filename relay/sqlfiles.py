@@ -280,6 +280,34 @@ def partition_statement(names: Names, name: str, **slots: sql.Composable) -> sql
     return names.compose(_partition_statements()[name], **slots)
 
 
+def migration_statements(names: Names, bound: float) -> dict[str, sql.Composed]:
+    """sql/partitions.sql's migration of the plain table, by step: the plain table
+    becomes ``{table}_before``, the partition of every created_at before ``bound``
+    (epoch seconds)."""
+    before = f"{names.base}_before"
+    old_indexes = {
+        "old_pkey": f"{names.base}_pkey",
+        "old_unpublished_idx": f"{names.base}_unpublished_idx",
+        "old_claim_idx": f"{names.base}_relay_claim_idx",
+        "old_retry_idx": f"{names.base}_relay_waiting_idx",
+        "old_published_idx": f"{names.base}_relay_published_idx",
+        "old_late_idx": f"{names.base}_relay_late_idx",
+    }
+    slots: dict[str, sql.Composable] = {
+        "bound": sql.SQL("to_timestamp({})").format(sql.Literal(bound)),
+        "before": names.partition(before),
+        "before_name": sql.Identifier(before),
+        "before_bound": sql.Identifier(f"{before}_bound"),
+        "before_key": sql.Identifier(f"{before}_key"),
+    }
+    for slot, old in old_indexes.items():
+        slots[slot] = names.partition(old)
+        new = old.replace(names.base, before, 1).replace("_relay_", "_", 1)
+        slots[slot.replace("old_", "before_", 1)] = sql.Identifier(new)
+    steps = ("migration_bound", "migration_validate", "migration_key", "migration_switch")
+    return {step: partition_statement(names, step, **slots) for step in steps}
+
+
 def uninstall_script(names: Names) -> sql.Composed:
     return names.compose(read_sql("uninstall.sql"))
 

@@ -38,21 +38,25 @@ select c.relkind::text,
  where c.oid = to_regclass({table_name})
 
 -- name: partitions
--- The table's partitions, oldest first: name, bounds as epoch seconds (null for a
--- DEFAULT partition or a MINVALUE/MAXVALUE bound, which the relay leaves alone)
--- and whether a detach of it is pending. The bounds are printed and read back in
--- this session's settings, whatever its DateStyle.
-select c.relname::text,
-       extract(epoch from b[1]::timestamptz)::float8,
-       extract(epoch from b[2]::timestamptz)::float8,
-       i.inhdetachpending
+-- The table's partitions, oldest first: name, bounds as epoch seconds (MINVALUE
+-- and MAXVALUE as -inf and inf, as a plain table attached as the first partition
+-- has them; null for a DEFAULT partition, which the relay leaves alone) and
+-- whether a detach of it is pending. The bounds are printed and read back in this
+-- session's settings, whatever its DateStyle.
+select c.relname::text, b.lower, b.upper, i.inhdetachpending
   from pg_inherits i
   join pg_class c on c.oid = i.inhrelid
-  left join lateral regexp_match(
-         pg_get_expr(c.relpartbound, c.oid),
-         '^FOR VALUES FROM \(''([^'']*)''\) TO \(''([^'']*)''\)$') as b on true
+  left join lateral (
+         select extract(epoch from (case m[1] when 'MINVALUE' then '-infinity'
+                                    else trim(both '''' from m[1]) end)::timestamptz)::float8,
+                extract(epoch from (case m[2] when 'MAXVALUE' then 'infinity'
+                                    else trim(both '''' from m[2]) end)::timestamptz)::float8
+           from regexp_match(
+                  pg_get_expr(c.relpartbound, c.oid),
+                  '^FOR VALUES FROM \((MINVALUE|''[^'']*'')\) TO \((MAXVALUE|''[^'']*'')\)$') m
+       ) b (lower, upper) on true
  where i.inhparent = {table_name}::regclass
- order by b[1]::timestamptz nulls first, c.relname
+ order by b.lower nulls first, c.relname
 
 -- name: partition_lock
 -- One relay at a time creates partitions; the lock ends with the transaction.
@@ -106,3 +110,52 @@ having count(*) > 1
 -- name: partition_lock_wait
 -- install: waits for a relay that is creating partitions, and holds them off.
 select pg_advisory_xact_lock({partition_lock})
+
+-- name: readable_bounds
+-- Before the partitions query, in its transaction: pg_get_expr prints the bounds in
+-- the session's TimeZone and DateStyle, and Postgres reads some of what it prints
+-- back as another time ("SQL, DMY" in Asia/Kolkata writes IST, read back as
+-- Israel's). In UTC and ISO the round trip is exact.
+select set_config('TimeZone', 'UTC', true), set_config('DateStyle', 'ISO, YMD', true)
+
+-- Migrating a plain table to a partitioned one, online (docs/partitions.md,
+-- *Migrating a plain table*): the plain table becomes the partition of every
+-- created_at before a bound, and partitions follow from the bound on. Its rows stay
+-- where they are; producers wait only for the switch, a transaction of catalog
+-- changes. The plain table is renamed <table>_before.
+
+-- name: migration_bound
+-- Step 1, beforehand: what proves the plain table's rows all precede the bound, so
+-- that attaching it reads nothing. NOT VALID, then validated apart: the validation
+-- reads the table without blocking writes. A row created at the bound or later is
+-- refused from here on, so the switch must come before the bound.
+alter table {table} add constraint {before_bound} check (created_at < {bound}) not valid
+
+-- name: migration_validate
+alter table {table} validate constraint {before_bound}
+
+-- name: migration_key
+-- Step 1 too: the partitioned table's key, built without blocking writes (outside
+-- a transaction). The switch makes it a constraint, which the key then adopts.
+create unique index concurrently if not exists {before_key} on {table} (id, created_at)
+
+-- name: migration_switch
+-- Step 2, in one transaction that `outbox-relay install`'s script ends: the plain
+-- table and the names of its indexes step aside, its relay triggers go (the
+-- partitioned table's, installed next, reach it as a partition), and the
+-- partitioned table takes its place. Only catalog work: nothing is read or built.
+set local lock_timeout = '2s';
+alter table {table} rename to {before_name};
+alter index {old_pkey} rename to {before_pkey};
+alter index {old_unpublished_idx} rename to {before_unpublished_idx};
+alter index {old_claim_idx} rename to {before_claim_idx};
+alter index {old_retry_idx} rename to {before_retry_idx};
+alter index {old_published_idx} rename to {before_published_idx};
+alter index {old_late_idx} rename to {before_late_idx};
+alter table {before} add constraint {before_key} unique using index {before_key};
+drop trigger {notify_trigger} on {before};
+drop trigger {late_trigger} on {before};
+drop trigger {revive_trigger} on {before};
+create table {table} (like {before} including defaults) partition by range (created_at);
+alter table {table} add primary key (id, created_at);
+alter table {table} attach partition {before} for values from (minvalue) to ({bound})

@@ -392,12 +392,16 @@ def dumps(value: object) -> str:
 
 
 @contextlib.asynccontextmanager
-async def bench_target(database_url: str | None, nats_url: str | None) -> AsyncIterator[Target]:
+async def bench_target(
+    database_url: str | None, nats_url: str | None, settings: tuple[str, ...] = ()
+) -> AsyncIterator[Target]:
     """A database and a stream of the bench's own, on the servers named, else on
-    throwaway ones on loopback; dropped (and the servers stopped) afterwards."""
+    throwaway ones on loopback (``settings``: the throwaway Postgres's own lines of
+    postgresql.conf); dropped (and the servers stopped) afterwards."""
     with contextlib.ExitStack() as servers:
         if database_url is None:
-            database_url = servers.enter_context(throwaway_postgres(durable=True)).url
+            postgres = throwaway_postgres(durable=True, settings=settings)
+            database_url = servers.enter_context(postgres).url
         if nats_url is None:
             nats_url = servers.enter_context(throwaway_nats()).url
         target = Target(database_url, nats_url)

@@ -108,6 +108,26 @@ class SoakPlan:
     partitions: float | None = None
     partitions_ahead: str = "5min"
     layout: str = "plain"
+    # postgresql.conf lines of the throwaway Postgres (not applied to --database-url).
+    server_settings: tuple[str, ...] = ()
+
+    def for_layouts(self, period: float) -> SoakPlan:
+        """The plan that compares the plain table with one partitioned by ``period``.
+        Its retention outlives checkpoints, as a retention of days does checkpoints
+        minutes apart: a delete then writes a full page image of a page no other
+        write touched since the last checkpoint, and so may WAL-log it anew. Long
+        enough before the hold for the size to settle (a partition filled and an
+        expired one dropped), and after it for the hold's partitions to go."""
+        retention = 60.0
+        settle = period + retention + 60.0
+        return replace(
+            self,
+            partitions=period,
+            retention="1min",
+            server_settings=(*self.server_settings, "checkpoint_timeout = 20s"),
+            before=max(self.before, settle),
+            after=max(self.after, settle + 60.0),
+        )
 
     @classmethod
     def quick(cls) -> SoakPlan:
@@ -435,7 +455,8 @@ def render(report: SoakReport) -> str:
         f"{plan.seconds:g} s, "
         f"{plan.replicas} relay{'s' if plan.replicas > 1 else ''}; the horizon held by "
         f"{HOLDER_TEXT[plan.holder]} from {plan.before:g} s to {plan.before + plan.hold:g} s; "
-        f"retention {plan.retention} every {plan.retention_interval}",
+        f"retention {plan.retention} every {plan.retention_interval}"
+        + (f"; Postgres with {', '.join(plan.server_settings)}" if plan.server_settings else ""),
         "",
         f"{'window':>11}  {'held':4}  {'events':>6}  {'p50 ms':>7}  {'p99 ms':>7}  "
         f"{'max ms':>7}  {'dead tuples':>11}  {'table MB':>8}  {'backlog':>7}  {'relay CPU':>9}",
@@ -495,7 +516,7 @@ async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) 
                 throwaway_postgres(durable=True, settings=["max_prepared_transactions = 4"])
             )
             database_url = primary.url
-        async with bench_target(database_url, nats_url) as target:
+        async with bench_target(database_url, nats_url, plan.server_settings) as target:
             if plan.layout == "partitioned":
                 assert plan.partitions is not None
                 ahead = parse_positive_duration(plan.partitions_ahead)

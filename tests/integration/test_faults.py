@@ -420,12 +420,19 @@ def publish_failures(relays: list) -> float:
     )
 
 
-@pytest.mark.parametrize("publish_mode", PUBLISH_MODES)
-def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
+@pytest.mark.parametrize(
+    ("publish_mode", "layout"),
+    [*((mode, "plain") for mode in PUBLISH_MODES), ("message", "partitioned")],
+)
+def test_mixed_campaign_of_every_fault(start_relay, publish_mode, layout):
     """At least 20,000 events through one of every fault kind, then the checker; in
-    each publish mode (nats-server 2.15, a stream allowing that mode)."""
+    each publish mode (nats-server 2.15, a stream allowing that mode), and on a table
+    partitioned by the minute, whose relays create partitions as the faults go on."""
     with throwaway_postgres() as pg, throwaway_nats() as nats:
-        database.install(pg.url)
+        if layout == "partitioned":
+            database.install_partitioned(pg.url)
+        else:
+            database.install(pg.url)
         stream = TestStream(nats.url, **STREAM_ALLOWING[publish_mode])
         campaign = Campaign(
             pg.url, stream, producers=6, poison_rate=0.01, pause=0.001, hostile_rate=0.02
@@ -437,6 +444,7 @@ def test_mixed_campaign_of_every_fault(start_relay, publish_mode):
                 **FAST,
                 "listen_keepalive": "1s",
                 "publish_mode": publish_mode,
+                "partitions_ahead": "10min",
             }
             relays = [start_relay(**via) for _ in range(3)]
 

@@ -7,8 +7,11 @@ writer."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +30,8 @@ from relay.sqlfiles import (
     claim_execution,
     claim_parameters,
     claim_preparation,
+    install_script,
+    migration_statements,
     partition_statement,
 )
 from tests.support import database
@@ -59,6 +64,7 @@ def start(relays: list[RelayProcess], url: str, **settings: Any) -> RelayProcess
 def layout(url: str):
     with psycopg.connect(url) as conn:
         kind = conn.execute(partition_statement(NAMES, "layout")).fetchone()
+        conn.execute(partition_statement(NAMES, "readable_bounds"))
         rows = conn.execute(partition_statement(NAMES, "partitions")).fetchall()
         now = conn.execute("select extract(epoch from statement_timestamp())::float8").fetchone()
     return partition_layout(kind, rows, now)
@@ -78,13 +84,13 @@ def add_past_partition(url: str, minutes_ago: int) -> str:
     return partition.name
 
 
-def partition_bounds(conn: psycopg.Connection[Any], name: str) -> tuple[str, str]:
-    [row] = conn.execute(
-        "select b[1], b[2] from pg_class c, regexp_match(pg_get_expr(c.relpartbound, c.oid), "
-        "'FROM \\(''([^'']*)''\\) TO \\(''([^'']*)''\\)') b where c.relname = %s",
-        (name,),
-    ).fetchall()
-    return row[0], row[1]
+def partition_bounds(conn: psycopg.Connection[Any], name: str) -> tuple[float, float]:
+    """Partition ``name``'s bounds, epoch seconds."""
+    with conn.transaction():
+        conn.execute(partition_statement(NAMES, "readable_bounds"))
+        rows = conn.execute(partition_statement(NAMES, "partitions")).fetchall()
+    [(start, end)] = [(lower, upper) for found, lower, upper, _ in rows if found == name]
+    return start, end
 
 
 def insert_into_partition(url: str, name: str, *, published: bool, attempts: int = 0) -> str:
@@ -94,7 +100,7 @@ def insert_into_partition(url: str, name: str, *, published: bool, attempts: int
         conn.execute(
             "insert into outbox_events (id, event_type, source, subject, time, data, "
             "created_at, published_at, attempts) values (%s, 'old.event', 't', %s, now(), "
-            "'{}', %s::timestamptz + interval '1 second', "
+            "'{}', to_timestamp(%s) + interval '1 second', "
             "case when %s then now() end, %s)",
             (row_id, f"subject-{row_id}", partition_bounds(conn, name)[0], published, attempts),
         )
@@ -295,7 +301,7 @@ def test_the_claim_walks_only_the_partitions_from_its_start_key(partitioned_url,
             conn.execute(
                 "insert into outbox_events (id, event_type, source, subject, time, data, "
                 "created_at, published_at) select gen_random_uuid(), 'a.b', 's', 'e' || g, "
-                "now(), '{}', %s::timestamptz + g * interval '1 ms', now() "
+                "now(), '{}', to_timestamp(%s) + g * interval '1 ms', now() "
                 "from generate_series(1, 2000) g",
                 (partition_bounds(conn, name)[0],),
             )
@@ -329,3 +335,141 @@ def test_the_claim_walks_only_the_partitions_from_its_start_key(partitioned_url,
         if removed:
             assert int(removed.group(1)) <= 2 * 500, f"{line}\n{plan}"
     assert walked, plan
+
+
+def test_an_id_written_twice_across_partitions_is_published_and_found_by_the_audit(
+    partitioned_url, stream, relays
+):
+    # The primary key is (id, created_at): one envelope id may land in two partitions.
+    # The relay publishes both rows (the stream keeps one message: same Nats-Msg-Id),
+    # and the audit names the id.
+    past = add_past_partition(partitioned_url, 5)
+    reused = Event(stream.subject("reused"), "entity-1")
+    database.insert(partitioned_url, [reused])
+    with psycopg.connect(partitioned_url) as conn:
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
+            "values (%s, %s, 't', 'entity-2', now(), '{}', to_timestamp(%s) + interval '1 s')",
+            (reused.id, reused.event_type, partition_bounds(conn, past)[0]),
+        )
+    relay = start(relays, partitioned_url)
+    wait_until(
+        lambda: database.unpublished_count(partitioned_url) == 0, message="both rows published"
+    )
+    assert relay.ready()
+    assert [m.msg_id for m in stream.read_all()] == [str(reused.id)]
+    found = cli(partitioned_url, "audit", "--since", "1h", "--nats-url", SHARED_NATS_URL)
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert "1 envelope ids written more than once" in found.stdout
+    assert f"id {reused.id} 2 times" in found.stdout
+
+
+def test_a_relay_whose_role_may_not_create_partitions_serves_on_and_says_so(
+    partitioned_url, stream, relays
+):
+    # A role from `install --grant-to` has no DDL: the relay cannot create partitions.
+    # It publishes as ever, counts and logs each failed round, and still reports how
+    # far the partitions reach, which is what the alert reads.
+    role = f"outbox_relay_{uuid.uuid4().hex[:8]}"
+    database.execute(SHARED_PG_URL, f'create role "{role}" login')
+    try:
+        run_cli(partitioned_url, "install", "--grant-to", role, "--partitions-ahead", "3min")
+        url = partitioned_url.replace("postgresql://postgres@", f"postgresql://{role}@", 1)
+        relay = start(relays, url, partitions_ahead="30min")
+        event = Event(stream.subject("granted"), "account-1")
+        database.insert(partitioned_url, [event])
+        wait_until(lambda: [m.msg_id for m in stream.read()] == [str(event.id)], message="sent")
+        wait_until(
+            lambda: relay.metric("outbox_relay_database_errors_total", task="partitions") >= 1,
+            message="a failed round counted",
+        )
+        assert "creating partitions failed: " in relay.logs()
+        assert "permission denied" in relay.logs()
+        assert "takes the table's owner" in relay.logs()
+        assert 0 < relay.metric("outbox_relay_partitions_ahead_seconds") < 5 * MINUTE
+        assert relay.ready()
+        relay.close()
+    finally:
+        database.execute(partitioned_url, f'drop owned by "{role}"')
+        database.execute(SHARED_PG_URL, f'drop role "{role}"')
+
+
+def test_partition_bounds_are_read_right_whatever_the_sessions_datestyle(partitioned_url):
+    # pg_get_expr prints bounds in the session's TimeZone and DateStyle; "SQL, DMY" in
+    # Asia/Kolkata prints IST, which Postgres reads back as Israel's time. Read so, the
+    # bounds were off by three and a half hours: install found no partition holding
+    # now and created ones overlapping those there (refused by Postgres).
+    dbname = partitioned_url.rsplit("/", 1)[-1]
+    database.execute(
+        SHARED_PG_URL,
+        f"alter database \"{dbname}\" set datestyle = 'SQL, DMY'",
+    )
+    database.execute(SHARED_PG_URL, f"alter database \"{dbname}\" set timezone = 'Asia/Kolkata'")
+    before = layout(partitioned_url)
+    run_cli(partitioned_url, "install", "--partitions-ahead", "6min")
+    after = layout(partitioned_url)
+    assert {p.name for p in before.partitions} < {p.name for p in after.partitions}
+    assert reach(after.partitions, after.now) >= 6 * MINUTE - 5
+
+
+def test_a_plain_table_is_migrated_online_losing_and_reordering_nothing(db_url, stream, relays):
+    # docs/partitions.md, *Migrating a plain table*, while a producer commits rows of
+    # ten subjects one by one and a relay publishes them: step 1, the switch with
+    # install's script in its transaction, then install --partitions. The plain
+    # table becomes the partition before the bound, new rows land after it.
+    relay = start(relays, db_url, partitions_ahead="3min")
+    committed: list[tuple[str, str, int]] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            for n in itertools.count():
+                if stop.is_set():
+                    return
+                row_id, subject = str(uuid.uuid4()), f"s{n % 10}"
+                conn.execute(
+                    "insert into outbox_events (id, event_type, source, subject, time, data) "
+                    "values (%s, %s, 't', %s, now(), %s)",
+                    (row_id, stream.subject("migrated"), subject, json.dumps({"n": n})),
+                )
+                committed.append((row_id, subject, n))
+                time.sleep(0.005)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        wait_until(lambda: len(committed) > 100, message="rows before the migration")
+        [(now,)] = database.fetch(db_url, "select extract(epoch from now())::float8")
+        bound = now + 15.0
+        steps = migration_statements(NAMES, bound)
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            for step in ("migration_bound", "migration_validate", "migration_key"):
+                conn.execute(steps[step])
+        with psycopg.connect(db_url) as conn:
+            conn.execute(steps["migration_switch"])
+            for statement in install_script(NAMES):
+                conn.execute(statement)
+        run_cli(db_url, "install", "--partitions", "1min", "--partitions-ahead", "3min")
+        wait_until(
+            lambda: database.fetch(
+                db_url, "select count(*) from outbox_events where created_at >= to_timestamp(%s)",
+                (bound,),
+            )[0][0] > 100,
+            timeout=60,
+            message="rows after the bound",
+        )  # fmt: skip
+    finally:
+        stop.set()
+        producer.join()
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="every row published")
+    found = layout(db_url)
+    assert (found.kind, found.managed) == ("p", True)
+    [before] = [p for p in found.partitions if p.name == "outbox_events_before"]
+    assert (before.start, before.end) == (float("-inf"), pytest.approx(bound))
+    assert any(p.start == pytest.approx(bound) for p in found.partitions)
+    stored = [(m.msg_id, m.envelope["subject"], m.envelope["data"]["n"]) for m in stream.read_all()]
+    assert sorted(stored) == sorted(committed)
+    for subject in {s for _, s, _ in committed}:
+        mine = [n for _, s, n in stored if s == subject]
+        assert mine == sorted(mine), f"{subject} out of order"
+    assert relay.ready()

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from relay import database as relay_database
 from relay.config import Config
-from relay.sqlfiles import Names
+from relay.sqlfiles import Names, partition_statement
 
 
 def with_database(url: str, dbname: str) -> str:
@@ -43,15 +43,13 @@ def install(url: str, config: Config | None = None) -> None:
 def install_partitioned(url: str) -> None:
     """The outbox table partitioned by the minute, ten minutes ahead, and one more
     partition for everything before the first minute (tests write old created_at
-    values; the relay itself only ever creates bounded partitions)."""
+    values), as a plain table attached as the first partition would be."""
     names = Names.for_config(Config())
     relay_database.install(url, names, partitions=60.0, partitions_ahead=600.0)
     with psycopg.connect(url) as conn:
-        [(first,)] = conn.execute(
-            "select min(b[1]) from pg_inherits i join pg_class c on c.oid = i.inhrelid, "
-            "regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \\(''([^'']*)''\\)') b "
-            "where i.inhparent = 'outbox_events'::regclass"
-        ).fetchall()
+        conn.execute(partition_statement(names, "readable_bounds"))
+        rows = conn.execute(partition_statement(names, "partitions")).fetchall()
+        first = min(lower for _, lower, _, _ in rows)
         conn.execute(
             "create table outbox_events_before (like outbox_events including defaults "
             "including constraints including storage)"
@@ -59,7 +57,7 @@ def install_partitioned(url: str) -> None:
         conn.execute(
             sql.SQL(
                 "alter table outbox_events attach partition outbox_events_before "
-                "for values from (minvalue) to ({}::timestamptz)"
+                "for values from (minvalue) to (to_timestamp({}))"
             ).format(sql.Literal(first))
         )
 

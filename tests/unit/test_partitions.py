@@ -3,8 +3,11 @@ retention may drop; the decisions relay/partitions.py makes from the catalog."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from relay.config import Config
 from relay.partitions import (
     Partition,
     expired,
@@ -13,6 +16,9 @@ from relay.partitions import (
     period_of,
     reach,
 )
+from relay.sqlfiles import Names, migration_statements
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MINUTE = 60.0
 HOUR = 3600.0
@@ -90,3 +96,37 @@ def test_retention_may_drop_partitions_whose_every_row_is_older_than_retention()
     # A pending detach is finished first, whatever its age.
     pending = hourly(-5, -1, pending=frozenset({-1}))
     assert [p.start for p in expired(pending, now, 3 * HOUR)] == [T - HOUR, T - 5 * HOUR]
+
+
+def test_a_plain_table_attached_as_the_first_partition_is_followed_from_its_end():
+    # MINVALUE to T: the old plain table, after the documented migration.
+    before = Partition("outbox_events_before", float("-inf"), T + HOUR)
+    assert period_of([before]) is None
+    created = partitions_to_create([before], T, 2 * HOUR, "o", period=HOUR)
+    assert [p.start for p in created] == [T + HOUR]  # reaching now + 2 h
+    assert period_of([before, *hourly(1)]) == HOUR
+    assert reach([before, *hourly(1)], T) == 2 * HOUR
+    # Expired once its end is older than the retention, like any other.
+    assert expired([before], T + 5 * HOUR, 3 * HOUR) == [before]
+    assert expired([before], T + 3 * HOUR, 3 * HOUR) == []
+
+
+def test_nothing_follows_a_maxvalue_partition():
+    last = Partition("last", T, float("inf"))
+    assert partitions_to_create([*hourly(-1), last], T, 10 * HOUR, "o") == []
+    assert reach([*hourly(-1), last], T) == float("inf")
+
+
+def test_the_documented_migration_is_the_one_in_sql_partitions():
+    # docs/partitions.md prints the migration for the default table; the test that
+    # runs it (tests/integration/test_partitions.py) composes it from sql/.
+    bound = 1796688000.0  # 2026-12-08 00:00 UTC
+    docs = " ".join((ROOT / "docs" / "partitions.md").read_text().split())
+    for step, statement in migration_statements(Names.for_config(Config()), bound).items():
+        text = statement.as_string().replace(f"to_timestamp({bound})", "'2026-12-08 00:00+00'")
+        for line in text.split(";"):
+            code = " ".join(
+                part for part in line.splitlines() if not part.lstrip().startswith("--")
+            ).replace('"', "")
+            code = " ".join(code.split())
+            assert code in docs, f"{step}: {code!r} is not in docs/partitions.md"
