@@ -38,8 +38,8 @@ PARTITIONS_WARNED = 40
 
 @dataclass(frozen=True)
 class Partition:
-    """One partition as the catalog has it. ``start``/``end`` are None for a
-    DEFAULT partition or an unbounded one, which the relay leaves alone."""
+    """One partition as the catalog has it, its bounds in epoch seconds: -inf for
+    MINVALUE, inf for MAXVALUE, None for a DEFAULT partition (left alone)."""
 
     name: str
     start: float | None

@@ -118,13 +118,13 @@ class SoakPlan:
         write touched since the last checkpoint, and so may WAL-log it anew. Long
         enough before the hold for the size to settle (a partition filled and an
         expired one dropped), and after it for the hold's partitions to go."""
-        retention = 60.0
+        retention = 90.0  # three checkpoints of Postgres's shortest interval, 30 s
         settle = period + retention + 60.0
         return replace(
             self,
             partitions=period,
-            retention="1min",
-            server_settings=(*self.server_settings, "checkpoint_timeout = 20s"),
+            retention=f"{retention:g}s",
+            server_settings=(*self.server_settings, "checkpoint_timeout = 30s"),
             before=max(self.before, settle),
             after=max(self.after, settle + 60.0),
         )

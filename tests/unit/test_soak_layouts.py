@@ -40,7 +40,7 @@ def test_each_target_missed_is_said():
 
 def test_the_layouts_plan_outlives_checkpoints_and_lets_the_size_settle():
     plan = SoakPlan().for_layouts(60.0)
-    assert (plan.partitions, plan.retention) == (60.0, "1min")
-    assert "checkpoint_timeout = 20s" in plan.server_settings
-    assert plan.before >= 60.0 + 60.0 + 60.0  # a partition, the retention, a round
+    assert (plan.partitions, plan.retention) == (60.0, "90s")
+    assert "checkpoint_timeout = 30s" in plan.server_settings
+    assert plan.before >= 60.0 + 90.0 + 60.0  # a partition, the retention, a round
     assert plan.after >= plan.before
