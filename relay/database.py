@@ -43,6 +43,7 @@ from relay.sqlfiles import (
     claim_unprepared,
     grant_script,
     install_script,
+    mark_statement,
     partition_statement,
     query,
     uninstall_script,
@@ -239,8 +240,11 @@ class Transaction:
         prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]],
         start: ClaimStart,
         local_settings: dict[str, str] | None = None,
+        *,
+        partitioned: bool = False,
     ) -> None:
         self._conn = conn
+        self._partitioned = partitioned
         self._names = names
         self._prepared = prepared
         self._start = start
@@ -323,14 +327,14 @@ class Transaction:
         if marks.published:
             statements.append(
                 (
-                    query(self._names, "mark_published"),
+                    mark_statement(self._names, "mark_published", self._partitioned),
                     {"ids": _uuid_array(marks.published), "since": since, "until": until},
                 )
             )
         if marks.failed:
             statements.append(
                 (
-                    query(self._names, "mark_failed"),
+                    mark_statement(self._names, "mark_failed", self._partitioned),
                     {
                         "ids": [m.id for m in marks.failed],
                         "attempts": [m.attempts for m in marks.failed],
@@ -383,6 +387,9 @@ class Database:
         # transaction pooler: set there, they would stay with a server connection).
         self._configured: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
         self.claim_start = ClaimStart()
+        # Whether the table is partitioned, as the last read of its layout said (the
+        # retention and partition tasks read it each round): the marks' bound.
+        self._partitioned = False
 
     @property
     def conninfo(self) -> str:
@@ -475,6 +482,7 @@ class Database:
                 self._claim_prepared,
                 self.claim_start,
                 None if self._pooled is False else self.session_settings,
+                partitioned=self._partitioned,
             )
         finally:
             # Runs to its end even when the batch was cancelled (its deadline passed):
@@ -600,7 +608,9 @@ class Database:
         """Whether the table is partitioned the way the relay manages, by range of
         created_at, and if so its partitions; with the database's clock."""
         async with self.connection("partitions") as conn, translated("partitions"):
-            return await aio.call(read_partition_layout, conn, self.names)
+            layout = await aio.call(read_partition_layout, conn, self.names)
+        self._partitioned = layout.kind == "p"
+        return layout
 
     async def create_partitions(self, ahead: float) -> list[NewPartition]:
         """Create the partitions that make the table reach ``ahead`` seconds past

@@ -208,7 +208,8 @@ class Names:
 
     def compose(self, template: str, **slots: sql.Composable) -> sql.Composed:
         return sql.SQL(template).format(
-            **{**CLAIM_PARAMETERS, **slots},
+            # created_span: the marks' bound, none unless mark_statement asks.
+            **{**CLAIM_PARAMETERS, "created_span": sql.SQL(""), **slots},
             table=self.table,
             table_name=self.catalog_names["table"],
             unpublished_idx_name=self.catalog_names["unpublished_idx"],
@@ -310,6 +311,19 @@ def migration_statements(names: Names, bound: float) -> dict[str, sql.Composed]:
 
 def uninstall_script(names: Names) -> sql.Composed:
     return names.compose(read_sql("uninstall.sql"))
+
+
+def mark_statement(names: Names, name: str, partitioned: bool) -> sql.Composed:
+    """``mark_published`` or ``mark_failed``, bounded by the batch's created_at span
+    on a partitioned table (the fragment created_span), composed once each way."""
+    if not partitioned:
+        return query(names, name)
+    key = f"{name} partitioned"
+    if (composed := names.composed.get(key)) is None:
+        fragment = _queries_and_fragments()[1]["created_span"]
+        span = names.compose(fragment, row=sql.Identifier("t"))
+        composed = names.composed[key] = query(names, name, created_span=span)
+    return composed
 
 
 def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:

@@ -31,6 +31,13 @@ and not exists (
 -- them apart say "relay_skipped_at is null" beside it.
 ({row}.attempts >= %(max_attempts)s or {row}.relay_dead_at is not null)
 
+-- fragment: created_span
+-- On a partitioned table, the marks' bound by the batch's created_at span
+-- (%(since)s, %(until)s, epoch seconds): planned without it, a mark opened every
+-- partition (docs/partitions.md). A plain table's marks go without: planning it
+-- cost them about a tenth.
+and {row}.created_at between to_timestamp(%(since)s) and to_timestamp(%(until)s)
+
 -- fragment: exact_time
 -- A timestamptz ({row}, a column name) as text that Postgres reads back exactly
 -- whatever the session's DateStyle and TimeZone ("SQL, DMY" with Asia/Kolkata
@@ -245,13 +252,10 @@ select null, (select {exact_time(created_at)} from start),
 -- one string costs nothing to send where an array of 500 is dumped element by element.
 -- The server reads it once, as the uuid[] parameter (an expression built from it
 -- here, such as string_to_array, would be evaluated again for every row it is
--- compared with). The batch's created_at span (%(since)s, %(until)s, epoch seconds)
--- is what keeps a partitioned table's marks to the batch's partitions: planned
--- without it, a mark opened every partition (docs/partitions.md).
-update {table}
+-- compared with). The created_span slot is empty on a plain table (its fragment says why).
+update {table} t
    set published_at = clock_timestamp(), relay_retry_at = null, relay_last_error = null
- where id = any(%(ids)s::uuid[])
-   and created_at between to_timestamp(%(since)s) and to_timestamp(%(until)s);
+ where t.id = any(%(ids)s::uuid[]) {created_span};
 
 -- name: mark_failed
 -- A row with no delay is dead from now on: relay_dead_at set takes it out of the
@@ -265,8 +269,7 @@ update {table} t
   from unnest(%(ids)s::text[]::uuid[], %(attempts)s::int[], %(delays)s::float8[],
               %(errors)s::text[])
        as f(id, attempts, delay, error)
- where t.id = f.id
-   and t.created_at between to_timestamp(%(since)s) and to_timestamp(%(until)s);
+ where t.id = f.id {created_span};
 
 -- name: delete_spent
 -- Retention: spent rows only, oldest first, with the same skip-locked discipline

@@ -23,7 +23,13 @@ from relay.claimstart import MIN_SEQ, StartKey
 from relay.config import Config
 from relay.database import CLAIM_STATEMENT, partition_creation
 from relay.partitions import NewPartition, partition_name
-from relay.sqlfiles import Names, claim_execution, claim_preparation, partition_statement, query
+from relay.sqlfiles import (
+    Names,
+    claim_execution,
+    claim_preparation,
+    mark_statement,
+    partition_statement,
+)
 from relay_tools.bench.harness import with_database
 
 AHEAD = 2  # future partitions, as --partitions-ahead keeps them
@@ -69,8 +75,8 @@ def _install(url: str, names: Names, partitions: int) -> None:
                 conn.execute(statement)
 
 
-def _time_statements(url: str, names: Names, count: int) -> tuple[float, float]:
-    """Seconds per claim and per one-row mark."""
+def _time_statements(url: str, names: Names, count: int, partitioned: bool) -> tuple[float, float]:
+    """Seconds per claim and per one-row mark (as the relay marks that table)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(time.time() - 5))
     start = StartKey(stamp, MIN_SEQ, stamp)
     config = Config(database_url=url, table=(*names.schema, names.base))
@@ -98,7 +104,7 @@ def _time_statements(url: str, names: Names, count: int) -> tuple[float, float]:
             )
         ).fetchall()
         now = time.time()
-        mark = query(names, "mark_published")
+        mark = mark_statement(names, "mark_published", partitioned)
         params = {"ids": "{" + row_id + "}", "since": now - 60, "until": now + 60}
         began = time.perf_counter()
         for _ in range(count):
@@ -127,7 +133,7 @@ def measure(server_url: str, counts: list[int], rows: int, count: int) -> None:
                     conn.execute(sql.SQL("create schema {}").format(sql.Identifier(schema)))
                 _install(url, names, n)
                 _fill(url, names, max(partitions - AHEAD - 1, 1), rows)
-                figures.append(_time_statements(url, names, count))
+                figures.append(_time_statements(url, names, count, n > 0))
             (claim_plain, mark_plain), (claim_parts, mark_parts) = figures
             print(
                 f"{partitions:>10}  {claim_plain * 1e6:>8.0f} us  {claim_parts * 1e6:>8.0f} us  "

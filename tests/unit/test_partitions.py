@@ -16,7 +16,7 @@ from relay.partitions import (
     period_of,
     reach,
 )
-from relay.sqlfiles import Names, migration_statements
+from relay.sqlfiles import Names, mark_statement, migration_statements
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,3 +130,13 @@ def test_the_documented_migration_is_the_one_in_sql_partitions():
             ).replace('"', "")
             code = " ".join(code.split())
             assert code in docs, f"{step}: {code!r} is not in docs/partitions.md"
+
+
+def test_only_a_partitioned_tables_marks_carry_the_batchs_created_at_span():
+    names = Names.for_config(Config())
+    for name in ("mark_published", "mark_failed"):
+        plain = mark_statement(names, name, partitioned=False).as_string()
+        partitioned = mark_statement(names, name, partitioned=True).as_string()
+        assert "created_at between" not in plain
+        assert 'and "t".created_at between to_timestamp(%(since)s)' in partitioned
+        assert partitioned.rstrip().endswith("to_timestamp(%(until)s)")
