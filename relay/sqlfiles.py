@@ -328,7 +328,8 @@ def mark_statement(names: Names, name: str, partitioned: bool) -> sql.Composed:
 
 def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
     """Query ``name``; ``slots`` fill its ``{slot}`` parameters other than the
-    identifiers (only the claim has any: see :data:`CLAIM_PARAMETERS`), and each
+    identifiers (the claim's, :data:`CLAIM_PARAMETERS`, and the marks' created_span,
+    :func:`mark_statement`), and each
     ``{fragment(alias)}`` is that fragment, about the table's row ``alias``."""
     plain = not slots
     if plain and (composed := names.composed.get(name)) is not None:

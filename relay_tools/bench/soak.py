@@ -74,7 +74,7 @@ BACKLOG_SECONDS = 1.0
 # A partitioned table against the plain one, in one run: WAL per event at most this
 # share of the plain table's; the size at the end at most this share of the size
 # before the hold (the bloat gone with its partitions); p99 within this share of
-# the plain table's (the run-to-run noise of one soak on this machine).
+# the plain table's (an allowance for the noise between two runs).
 WAL_RATIO = 0.75
 SIZE_AFTER_RATIO = 1.25
 P99_LAYOUT_RATIO = 1.10
