@@ -15,10 +15,21 @@ from tests.support.stream import TestStream
 
 
 @pytest.fixture
-def db_url() -> Iterator[str]:
-    """A fresh database on the machine's Postgres, with the relay installed."""
+def outbox_layout() -> str:
+    """How db_url's outbox table is laid out: plain, unless a test parametrizes this
+    with ``database.LAYOUTS`` (or a module overrides it) to run on both."""
+    return "plain"
+
+
+@pytest.fixture
+def db_url(outbox_layout: str) -> Iterator[str]:
+    """A fresh database on the machine's Postgres, with the relay installed on a
+    plain outbox table or one partitioned by the minute (``outbox_layout``)."""
     url = database.create_database(SHARED_PG_URL)
-    database.install(url)
+    if outbox_layout == "partitioned":
+        database.install_partitioned(url)
+    else:
+        database.install(url)
     yield url
     database.drop_database(SHARED_PG_URL, url)
 
@@ -40,7 +51,11 @@ def relays() -> Iterator[list[RelayProcess]]:
 
 
 @pytest.fixture
-def start_relay(relays: list[RelayProcess], db_url: str):
+def start_relay(relays: list[RelayProcess], db_url: str, outbox_layout: str):
+    # On a partitioned table the relays keep the partitions as far ahead as
+    # install_partitioned made them, not the default 3 days of minutes.
+    layout_settings = {"partitions_ahead": "10min"} if outbox_layout == "partitioned" else {}
+
     def start(
         database_url: str | None = None,
         nats_url: str = SHARED_NATS_URL,
@@ -48,6 +63,7 @@ def start_relay(relays: list[RelayProcess], db_url: str):
         environment: dict[str, str] | None = None,
         **settings: object,
     ) -> RelayProcess:
+        settings = {**layout_settings, **settings}
         relay = RelayProcess(database_url or db_url, nats_url, environment, **settings)
         relays.append(relay)
         return relay.start(wait_ready=wait_ready)

@@ -1,6 +1,7 @@
 """`outbox-relay audit`: rows marked published whose message the stream lost are
 found, told apart from messages the stream's limits removed, and restored by
-`--repair` in per-subject order, inside the stream's duplicate window."""
+`--repair` in per-subject order, inside the stream's duplicate window; the finding,
+the repair and the relay's own audits on a partitioned table too."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 from relay.config import Config
 from relay.sqlfiles import AUDIT_LOCK_CLASS, idle_lock_key
 from tests.support import database
-from tests.support.database import Event
+from tests.support.database import LAYOUTS, Event
 from tests.support.relayproc import wait_until
 from tests.support.servers import SHARED_NATS_URL, free_port
 from tests.support.stream import TestStream, run_js
@@ -49,6 +50,7 @@ def publish_through_relay(db_url: str, start_relay, events: list[Event], **setti
     return relay
 
 
+@pytest.mark.parametrize("outbox_layout", LAYOUTS)
 def test_lost_messages_are_found_and_repaired_in_order(db_url, stream, start_relay):
     events = [Event(stream.subject(f"account.{i % 4}"), f"entity-{i % 6}") for i in range(120)]
     for i, event in enumerate(events):
@@ -120,6 +122,7 @@ def test_a_subject_no_stream_captures_any_more_is_missing(db_url, start_relay):
     assert (status, set(report["missing"])) == (1, {str(e.id) for e in events}), report
 
 
+@pytest.mark.parametrize("outbox_layout", LAYOUTS)
 def test_the_relay_audits_on_its_own_and_reports_what_is_missing(db_url, stream, start_relay):
     events = [Event(stream.subject("audited"), f"entity-{i % 3}") for i in range(30)]
     relay = publish_through_relay(db_url, start_relay, events, audit_interval="500ms")
@@ -143,6 +146,7 @@ def test_the_relay_audits_on_its_own_and_reports_what_is_missing(db_url, stream,
     ), relay.logs()
 
 
+@pytest.mark.parametrize("outbox_layout", LAYOUTS)
 def test_an_audit_beside_a_busy_relay_finds_nothing_missing(db_url, stream, start_relay):
     """Rows are marked while the audit reads: one marked after the audit read its
     stream must wait for the next audit, not be reported missing."""

@@ -29,9 +29,9 @@ from relay.model import OutboxRow
 from relay.sqlfiles import Names, claim_parameters, query
 from relay.writers import WriterTracker
 from tests.support import database
-from tests.support.database import Event, relay_session
+from tests.support.database import LAYOUTS, Event, relay_session
 from tests.support.relayproc import wait_until
-from tests.support.servers import SHARED_PG_URL, ThrowawayStandby, throwaway_postgres
+from tests.support.servers import ThrowawayStandby, throwaway_postgres
 
 pytestmark = pytest.mark.integration
 
@@ -78,35 +78,11 @@ class Claims:
         return claimed
 
 
-@pytest.fixture(params=["plain", "partitioned"])
-def db_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh database with the relay installed on a plain outbox table, or on one
-    partitioned by the minute: the start key and the late rows work on both."""
-    url = database.create_database(SHARED_PG_URL)
-    if request.param == "plain":
-        database.install(url)
-    else:
-        database.install_partitioned(url)
-    yield url
-    database.drop_database(SHARED_PG_URL, url)
-
-
-@pytest.fixture
-def start_relay(start_relay):
-    """The relays keep the partitions as far ahead as the install made them."""
-
-    def start(*args: Any, **settings: Any):
-        return start_relay(*args, **{"partitions_ahead": "10min", **settings})
-
-    return start
-
-
-@pytest.fixture
-def plain_db_url() -> Iterator[str]:
-    url = database.create_database(SHARED_PG_URL)
-    database.install(url)
-    yield url
-    database.drop_database(SHARED_PG_URL, url)
+@pytest.fixture(params=LAYOUTS)
+def outbox_layout(request: pytest.FixtureRequest) -> str:
+    """The start key and the late rows work on a plain table and on one partitioned
+    by the minute."""
+    return str(request.param)
 
 
 def run(url: str, test: Callable[[Claims], Awaitable[None]]) -> None:
@@ -486,9 +462,9 @@ def test_status_names_a_holder_it_may_not_see_and_the_grant_that_would_show_it(d
         database.execute(db_url, f'drop role "{role}"')
 
 
-def test_retention_walks_on_from_its_last_row_past_the_dead_entries_it_left(plain_db_url):
+@pytest.mark.parametrize("outbox_layout", ["plain"])  # a partitioned table deletes no row
+def test_retention_walks_on_from_its_last_row_past_the_dead_entries_it_left(db_url):
     # (A partitioned table's retention drops partitions and deletes no row.)
-    db_url = plain_db_url
     # 50,000 spent rows, deleted 1,000 a statement while the horizon is held: each
     # delete leaves a dead entry at the head of the published_at index. Walking on
     # from the last row deleted, every statement reads about its batch; from the
@@ -639,6 +615,41 @@ def test_while_the_late_row_triggers_do_not_fire_every_claim_walks_from_the_firs
         assert await claims.drain() == [old, *after]
         assert claims.start.walked_from_first_entry
         database.install(db_url)
+        insert(db_url, "other")
+        await claims.drain()  # from the first entry, the triggers on again
+        insert(db_url, "other")
+        await claims.drain()
+        assert not claims.start.walked_from_first_entry
+
+    run(db_url, test)
+
+
+@pytest.mark.parametrize("outbox_layout", ["partitioned"])
+def test_a_late_row_trigger_disabled_on_one_partition_makes_claims_walk_from_the_first_entry(
+    db_url,
+):
+    # Each partition carries its own copies of the triggers, and ALTER TABLE on one
+    # partition disables only its copy: the parent's stay enabled. The claim's guard
+    # and the start-up check look at every partition's.
+    async def test(claims: Claims) -> None:
+        await published_then_passed(db_url, claims)
+        disable = "alter table outbox_events_before {} trigger zz_outbox_events_relay_late"
+        database.execute(db_url, disable.format("disable"))
+        [(problems,)] = database.fetch(db_url, query(NAMES, "late_guard"))
+        assert problems == [
+            "the late-row triggers do not fire ALWAYS on partition outbox_events_before"
+        ]
+        [old] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00", relay_seq=1)
+        assert database.fetch(
+            db_url,
+            "select tableoid::regclass::text, relay_late is true from outbox_events where id = %s",
+            (old,),
+        ) == [("outbox_events_before", False)]  # fmt: skip
+        after = insert(db_url, "e1", relay_seq=2)
+        assert await claims.drain() == [old, *after]
+        assert claims.start.walked_from_first_entry
+        database.execute(db_url, disable.format("enable always"))
+        assert database.fetch(db_url, query(NAMES, "late_guard")) == [([],)]
         insert(db_url, "other")
         await claims.drain()  # from the first entry, the triggers on again
         insert(db_url, "other")

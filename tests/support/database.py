@@ -40,6 +40,10 @@ def install(url: str, config: Config | None = None) -> None:
     relay_database.install(url, Names.for_config(config or Config()))
 
 
+# The outbox table's layouts a test can run on (tests/conftest.py's outbox_layout).
+LAYOUTS = ("plain", "partitioned")
+
+
 def install_partitioned(url: str) -> None:
     """The outbox table partitioned by the minute, ten minutes ahead, and one more
     partition for everything before the first minute (tests write old created_at
