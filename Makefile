@@ -50,18 +50,24 @@ demo: $(BIN)/.installed
 	@$(BIN)/outbox-relay demo
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link
-# or a page missing from the navigation fails it.
-$(BIN)/.docs-installed: pyproject.toml
-	$(MAKE) $(BIN)/.installed
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[docs]'
+# or a page missing from the navigation fails it. The site needs only pyproject.toml's
+# docs extra (mkdocs and its theme), in an environment of its own: not the relay,
+# its runtime or the development tools.
+DOCS_VENV ?= .venv-docs
+DOCS_REQUIREMENTS = $(PYTHON) -c 'import tomllib; \
+	print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"])'
+
+$(DOCS_VENV)/bin/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet -c constraints.txt $$($(DOCS_REQUIREMENTS))
 	touch $@
 
-docs: $(BIN)/.docs-installed
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+docs: $(DOCS_VENV)/bin/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --site-dir site
 
 # Every figure of the performance page (several minutes).
 bench: $(BIN)/.installed
 	$(BIN)/outbox-relay bench
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info site
+	rm -rf $(VENV) $(DOCS_VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info site

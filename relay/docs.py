@@ -1,14 +1,23 @@
-"""The configuration page's options and metrics tables (docs/configuration.md),
-generated from the options and from relay/metrics.toml.
+"""The configuration page's options, metrics and alerts tables
+(docs/configuration.md), generated from the options, relay/metrics.toml and the
+alerting rules (deploy/prometheus/alerts.yml).
 
-``python -m relay.docs`` writes both into the page between their markers; a test
+``python -m relay.docs`` writes them into the page between their markers; a test
 checks the page carries them as they are.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
 from relay.config import RUN_OPTIONS, default_value
 from relay.metrics import metric_table
+
+ROOT = Path(__file__).resolve().parents[1]
+ALERT_RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
 
 # How a metric's kind reads in the docs, and the suffix Prometheus gives its series.
 _KIND = {
@@ -44,9 +53,38 @@ def metrics_table() -> str:
     return "\n".join(lines)
 
 
-def with_tables(page: str) -> str:
+def alert_rules(path: Path = ALERT_RULES) -> list[Mapping[str, Any]]:
+    """The alerting rules of ``path``, in the file's order. PyYAML comes with the
+    development tools, not with the relay."""
+    import yaml  # noqa: PLC0415
+
+    groups = yaml.safe_load(path.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
+def alerts_table(rules: Sequence[Mapping[str, Any]]) -> str:
+    """One line an alert: its runbook, severity, how long it must hold, and its
+    summary with the labels it names written as placeholders."""
+    lines = ["| alert | severity | holds for | what it says |", "| --- | --- | --- | --- |"]
+    for rule in rules:
+        name = rule["alert"]
+        summary = re.sub(r"\{\{ *\$labels\.(\w+) *\}\}", r"`<\1>`", rule["annotations"]["summary"])
+        summary = summary.replace("|", "\\|")
+        lines.append(
+            f"| [{name}](runbooks.md#{name.lower()}) | {rule['labels']['severity']} "
+            f"| {rule.get('for', '(at once)')} | {summary} |"
+        )
+    return "\n".join(lines)
+
+
+def with_tables(page: str, rules: Sequence[Mapping[str, Any]]) -> str:
     """``page`` with the text between each table's markers replaced by the table."""
-    for marker, table in (("options", options_table()), ("metrics", metrics_table())):
+    tables = (
+        ("options", options_table()),
+        ("metrics", metrics_table()),
+        ("alerts", alerts_table(rules)),
+    )
+    for marker, table in tables:
         begin, end = f"<!-- {marker}:begin -->\n", f"\n<!-- {marker}:end -->"
         start, stop = page.index(begin) + len(begin), page.index(end)
         page = page[:start] + table + page[stop:]
@@ -54,8 +92,6 @@ def with_tables(page: str) -> str:
 
 
 if __name__ == "__main__":
-    from pathlib import Path
-
-    configuration = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-    configuration.write_text(with_tables(configuration.read_text()))
-    print(f"wrote the options and metrics tables into {configuration}")
+    configuration = ROOT / "docs" / "configuration.md"
+    configuration.write_text(with_tables(configuration.read_text(), alert_rules()))
+    print(f"wrote the options, metrics and alerts tables into {configuration}")

@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from relay.docs import metrics_table, options_table, with_tables
+from relay.docs import alert_rules, alerts_table, metrics_table, options_table, with_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -28,9 +28,16 @@ def test_the_metrics_table_matches_the_code():
     assert table("metrics") == metrics_table(), "regenerate with: python -m relay.docs"
 
 
+def test_the_alerts_table_lists_every_alerting_rule():
+    assert table("alerts") == alerts_table(alert_rules()), "regenerate with: python -m relay.docs"
+    names = [rule["alert"] for rule in alert_rules()]
+    assert len(names) == len(set(names)) == 16
+    assert all(f"[{name}](runbooks.md#{name.lower()})" in table("alerts") for name in names)
+
+
 def test_regenerating_the_tables_changes_nothing_else():
     text = CONFIGURATION.read_text()
-    assert with_tables(text) == text
+    assert with_tables(text, alert_rules()) == text
 
 
 def test_ci_runs_the_readme_test_command(tmp_path):
