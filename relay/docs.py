@@ -29,6 +29,12 @@ _KIND = {
 }
 
 
+def option_anchor(flag: str) -> str:
+    """The id of an option's row in the options table, for links such as the
+    runbooks' (``--max-attempts``: ``option-max-attempts``)."""
+    return "option-" + flag.removeprefix("--")
+
+
 def options_table() -> str:
     lines = ["| flag | variable | default | meaning |", "| --- | --- | --- | --- |"]
     for option in RUN_OPTIONS:
@@ -38,7 +44,10 @@ def options_table() -> str:
         variable = (
             f"`{option.env}` (or `{option.env_file}`)" if option.secret_file else f"`{option.env}`"
         )
-        lines.append(f"| `{option.flag}` | {variable} | `{default}` | {option.help} |")
+        anchor = option_anchor(option.flag)
+        lines.append(
+            f'| <a id="{anchor}"></a>`{option.flag}` | {variable} | `{default}` | {option.help} |'
+        )
     return "\n".join(lines)
 
 
@@ -49,7 +58,8 @@ def metrics_table() -> str:
         labels = spec.get("labels", ["version"] if spec["kind"] == "info" else [])
         series = spec["name"] + suffix + ("{" + ",".join(labels) + "}" if labels else "")
         where = ", table-wide" if spec.get("table_wide") else ""
-        lines.append(f"| `{series}` | {kind}{where} | {spec['readme']} |")
+        anchor = spec["name"] + suffix
+        lines.append(f'| <a id="{anchor}"></a>`{series}` | {kind}{where} | {spec["readme"]} |')
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """The documentation site builds with --strict, every alert links to its runbook
-section, every runbook section belongs to an alert, and each link's anchor exists
-in the built site."""
+section, every runbook section belongs to an alert and says what not to do, when to
+escalate, what to collect and what it protects, and each link's anchor exists in
+the built site."""
 
 from __future__ import annotations
 
@@ -37,6 +38,28 @@ def site(tmp_path_factory) -> Path:
 def test_every_alert_has_a_runbook_section_and_every_section_an_alert():
     sections = set(re.findall(r"^## (\w+)$", RUNBOOKS.read_text(), re.MULTILINE))
     assert sections == set(alerts())
+
+
+def runbook_sections() -> dict[str, str]:
+    parts = re.split(r"^## (\w+)\n", RUNBOOKS.read_text(), flags=re.MULTILINE)[1:]
+    return dict(zip(parts[::2], parts[1::2], strict=True))
+
+
+@pytest.mark.parametrize("block", ["**Don't.**", "**Escalate when**", "**Collect**"])
+def test_every_runbook_says_what_not_to_do_when_to_escalate_and_what_to_collect(block):
+    missing = [name for name, text in runbook_sections().items() if block not in text]
+    assert not missing, f"runbooks without {block}: {missing}"
+
+
+def test_every_runbook_links_its_guarantee_a_setting_and_the_metrics_its_alert_reads():
+    rules = yaml.safe_load(ALERTS.read_text())["groups"][0]["rules"]
+    for rule in rules:
+        text = " ".join(runbook_sections()[rule["alert"]].split())
+        assert "**Protects** [" in text, rule["alert"]
+        assert "](guarantees.md#" in text, rule["alert"]
+        assert "](configuration.md#option-" in text, rule["alert"]
+        for metric in set(re.findall(r"outbox_relay_\w+", str(rule["expr"]))):
+            assert f"](configuration.md#{metric})" in text, (rule["alert"], metric)
 
 
 def test_every_runbook_url_points_at_its_alerts_section(site):
