@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relay_tools.bench import measure
-from relay_tools.bench.harness import RelayProcess, Target, bench_target, dumps, wait_until_ready
+from relay_tools.bench.harness import (
+    RelayProcess,
+    Target,
+    bench_target,
+    dumps,
+    provenance,
+    wait_until_ready,
+)
 from relay_tools.bench.stats import Figure, percentile
 
 
@@ -646,6 +653,7 @@ def main(database_url: str | None, nats_url: str | None, quick: bool, json_path:
     sys.stdout.write(render(report, plan))
     if json_path:
         document = {
+            "run": provenance(),
             "plan": plan.__dict__,
             "figures": {key: f.as_dict() for key, f in report.figures.items()},
             "targets": [v.__dict__ for v in verdicts(report)],

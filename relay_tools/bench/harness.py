@@ -7,12 +7,16 @@ import asyncio
 import contextlib
 import json
 import os
+import platform
+import shlex
+import subprocess
 import sys
 import time
 import urllib.parse
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,23 @@ INSERT = (
     "insert into outbox_events (id, event_type, source, subject, time, data) "
     "values (%s, %s, 'bench', %s, now(), %s)"
 )
+
+
+def provenance() -> dict[str, str]:
+    """What a run's figures, and the charts drawn from them, say of where they come
+    from: the command as it was typed, the machine, the date and the build."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    checkout = Path(__file__).resolve().parents[2]
+    described = subprocess.run(
+        ["git", "describe", "--always", "--dirty"],
+        cwd=checkout, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return {
+        "command": shlex.join(["outbox-relay", *sys.argv[1:]]),
+        "machine": f"{os.cpu_count()} cores {platform.machine()}, {memory:.0f} GiB",
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "build": described.stdout.strip() if described.returncode == 0 else "unknown",
+    }
 
 
 def with_database(url: str, name: str) -> str:

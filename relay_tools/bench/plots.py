@@ -6,10 +6,18 @@ extra (`pip install 'outbox-relay[bench]'`).
 - `latency.png`: commit-to-consumer p50 and p99 by load;
 - `soak.png` (from `--soak`): p50 and p99 per window, the hold shaded, and the
   table's dead tuples.
+
+Every axis starts at zero, and every chart's caption names the command, machine,
+date and build of the run its figures come from (the document's ``run``). The
+chart's PNG metadata carries the SHA-256 of the figures it was drawn from
+(``figures_digest``), so a test can tell a chart from figures other than those
+committed beside it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,18 @@ def _pyplot() -> Any:
     return plt
 
 
+def figures_digest(document: dict[str, Any]) -> str:
+    """The SHA-256 of a run's figures, as a chart's metadata carries it."""
+    return hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()
+
+
+def caption(document: dict[str, Any]) -> str:
+    run = document.get("run")
+    if not run:
+        return "measured by a run that did not record its command, machine or date"
+    return f"{run['command']}\n{run['machine']}, {run['date']}, build {run['build']}"
+
+
 def plot_bench(document: dict[str, Any], directory: Path) -> list[Path]:
     """The charts of a bench run (`outbox-relay bench --json`)."""
     plt = _pyplot()
@@ -47,7 +67,7 @@ def plot_bench(document: dict[str, Any], directory: Path) -> list[Path]:
     written = []
     shapes = [(key, label) for key, label in DRAIN_SHAPES if key in figures]
     if shapes:
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(8, 4.6))
         medians = [figures[key]["median"] for key, _ in shapes]
         errors = [
             [m - figures[key]["min"] for (key, _), m in zip(shapes, medians, strict=True)],
@@ -55,10 +75,10 @@ def plot_bench(document: dict[str, Any], directory: Path) -> list[Path]:
         ]
         ax.barh([label for _, label in shapes], medians, xerr=errors, color="#3b7dd8")
         ax.invert_yaxis()
-        ax.set_xlabel("rows/s (median; min-max)")
+        ax.set_xlabel("rows drained per second (median; bars: min-max)")
+        ax.set_xlim(left=0)
         ax.set_title("Drain of a committed backlog")
-        fig.tight_layout()
-        written.append(_save(fig, directory / "drain.png", plt))
+        written.append(_save(fig, directory / "drain.png", plt, document))
     latency: dict[float, dict[str, float]] = {}
     for key, figure in figures.items():
         found = _LATENCY.match(key)
@@ -66,7 +86,7 @@ def plot_bench(document: dict[str, Any], directory: Path) -> list[Path]:
             latency.setdefault(float(found.group(1)), {})[found.group(2)] = figure["median"]
     if latency:
         rates = sorted(latency)
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig, ax = plt.subplots(figsize=(8, 4.6))
         positions = range(len(rates))
         for offset, (percentile, color) in enumerate((("p50", "#3b7dd8"), ("p99", "#d8843b"))):
             ax.bar(
@@ -77,11 +97,12 @@ def plot_bench(document: dict[str, Any], directory: Path) -> list[Path]:
                 color=color,
             )
         ax.set_xticks(list(positions), [f"{rate:g}/s" for rate in rates])
-        ax.set_ylabel("ms, commit to consumer")
+        ax.set_xlabel("offered load, events per second")
+        ax.set_ylabel("ms, commit to consumer (median of runs)")
+        ax.set_ylim(bottom=0)
         ax.set_title("Latency by load")
         ax.legend()
-        fig.tight_layout()
-        written.append(_save(fig, directory / "latency.png", plt))
+        written.append(_save(fig, directory / "latency.png", plt, document))
     return written
 
 
@@ -91,29 +112,32 @@ def plot_soak(document: dict[str, Any], directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     windows = document["windows"]
     minutes = [w["start"] / 60 for w in windows]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     width = (minutes[1] - minutes[0]) if len(minutes) > 1 else 1.0
     for window, start in zip(windows, minutes, strict=True):
         if window["held"]:
             ax.axvspan(start, start + width, color="#eeeeee")
     ax.plot(minutes, [w["p50_ms"] for w in windows], marker="o", label="p50", color="#3b7dd8")
     ax.plot(minutes, [w["p99_ms"] for w in windows], marker="o", label="p99", color="#d8843b")
-    ax.set_xlabel("minutes (grey: the vacuum horizon held)")
-    ax.set_ylabel("ms, commit to consumer")
+    ax.set_xlabel("minutes since the start (grey: the vacuum horizon held)")
+    ax.set_ylabel("ms, commit to consumer, per window")
+    ax.set_ylim(bottom=0)
     tuples = ax.twinx()
     tuples.plot(
         minutes, [w["dead_tuples"] for w in windows], linestyle="--", color="#777777",
         label="dead tuples",
     )  # fmt: skip
-    tuples.set_ylabel("dead tuples")
+    tuples.set_ylabel("dead tuples in the outbox table")
+    tuples.set_ylim(bottom=0)
     lines = ax.get_lines() + tuples.get_lines()
     ax.legend(lines, [line.get_label() for line in lines], loc="upper left")
     ax.set_title("Latency while something holds the vacuum horizon")
-    fig.tight_layout()
-    return [_save(fig, directory / "soak.png", plt)]
+    return [_save(fig, directory / "soak.png", plt, document)]
 
 
-def _save(fig: Any, path: Path, plt: Any) -> Path:
-    fig.savefig(path, dpi=110)
+def _save(fig: Any, path: Path, plt: Any, document: dict[str, Any]) -> Path:
+    fig.text(0.01, 0.01, caption(document), fontsize=7, color="#555555", va="bottom")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110, metadata={"Description": figures_digest(document)})
     plt.close(fig)
     return path

@@ -41,6 +41,7 @@ from relay_tools.bench.harness import (
     Target,
     bench_target,
     dumps,
+    provenance,
     wait_until_ready,
     with_database,
 )
@@ -549,9 +550,13 @@ def main(
         print(render_layouts(*reports), end="")
         verdicts_met = verdicts_met and all(ok for _, ok in layout_verdicts(*reports))
     if json_path:
-        # The plain table's soak as ever (the charts read it), the partitioned one inside.
+        # The run, the plain table's soak as ever (the charts read it), the partitioned
+        # one inside.
         plain, *partitioned = ({**asdict(r), "plan": asdict(r.plan)} for r in reports)
         with open(json_path, "w", encoding="utf-8") as out:
-            out.write(dumps({**plain, "partitioned": partitioned[0]} if partitioned else plain))
+            document = {"run": provenance(), **plain}
+            if partitioned:
+                document["partitioned"] = partitioned[0]
+            out.write(dumps(document))
             out.write("\n")
     return 0 if verdicts_met else 1
