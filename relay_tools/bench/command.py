@@ -646,6 +646,7 @@ async def bench(database_url: str | None, nats_url: str | None, plan: Plan) -> R
 
 def main(database_url: str | None, nats_url: str | None, quick: bool, json_path: str | None) -> int:
     plan = Plan.quick() if quick else Plan()
+    run = provenance()  # the build measured is the one checked out when the run began
     # A plain asyncio loop: importing relay installs trio-asyncio's loop policy, which
     # the relay needs in its own process but the benchmark's client side does not.
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
@@ -653,7 +654,7 @@ def main(database_url: str | None, nats_url: str | None, quick: bool, json_path:
     sys.stdout.write(render(report, plan))
     if json_path:
         document = {
-            "run": provenance(),
+            "run": run,
             "plan": plan.__dict__,
             "figures": {key: f.as_dict() for key, f in report.figures.items()},
             "targets": [v.__dict__ for v in verdicts(report)],

@@ -40,17 +40,29 @@ def provenance() -> dict[str, str]:
     """What a run's figures, and the charts drawn from them, say of where they come
     from: the command as it was typed, the machine, the date and the build."""
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    checkout = Path(__file__).resolve().parents[2]
-    described = subprocess.run(
-        ["git", "describe", "--always", "--dirty"],
-        cwd=checkout, capture_output=True, text=True, check=False,
-    )  # fmt: skip
     return {
         "command": shlex.join(["outbox-relay", *sys.argv[1:]]),
         "machine": f"{os.cpu_count()} cores {platform.machine()}, {memory:.0f} GiB",
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
-        "build": described.stdout.strip() if described.returncode == 0 else "unknown",
+        "build": _build(),
     }
+
+
+def _build() -> str:
+    """The checkout's commit, "+changes" when the measured code (relay/, relay_tools/,
+    sql/) differs from it; "unknown" outside a git checkout."""
+    checkout = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", *args], cwd=checkout, capture_output=True, text=True, check=False
+        )
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit.returncode != 0:
+        return "unknown"
+    changed = git("status", "--porcelain", "--", "relay", "relay_tools", "sql").stdout.strip()
+    return commit.stdout.strip() + ("+changes" if changed else "")
 
 
 def with_database(url: str, name: str) -> str:

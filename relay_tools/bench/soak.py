@@ -539,6 +539,7 @@ def main(
     json_path: str | None,
 ) -> int:
     layouts = ["plain", "partitioned"] if plan.partitions is not None else ["plain"]
+    run = provenance()  # the build measured is the one checked out when the run began
     reports = []
     for layout in layouts:
         with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
@@ -554,7 +555,7 @@ def main(
         # one inside.
         plain, *partitioned = ({**asdict(r), "plan": asdict(r.plan)} for r in reports)
         with open(json_path, "w", encoding="utf-8") as out:
-            document = {"run": provenance(), **plain}
+            document = {"run": run, **plain}
             if partitioned:
                 document["partitioned"] = partitioned[0]
             out.write(dumps(document))
