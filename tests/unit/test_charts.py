@@ -1,0 +1,60 @@
+"""The docs' charts (docs/img) are drawn from the figures committed beside them, by
+a run that recorded its command, machine, date and build, and drawing them again
+from those figures gives the same charts' metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from relay_tools.bench import plots
+
+IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
+# Each chart, and the run's figures it is drawn from (`outbox-relay bench --plot
+# docs/img --json docs/img/<figures>`).
+CHARTS = {"drain.png": "bench.json", "latency.png": "bench.json", "soak.png": "soak.json"}
+
+
+def figures(name: str) -> dict:
+    return json.loads((IMG / name).read_text())
+
+
+def digest_in(chart: Path) -> str:
+    with Image.open(chart) as image:
+        return str(image.info.get("Description", ""))
+
+
+@pytest.mark.parametrize(("chart", "source"), CHARTS.items())
+def test_each_chart_is_drawn_from_the_figures_committed_beside_it(chart, source):
+    document = figures(source)
+    assert digest_in(IMG / chart) == plots.figures_digest(document), (
+        f"docs/img/{chart} was not drawn from docs/img/{source}: run "
+        f"`outbox-relay bench{' --soak' if source == 'soak.json' else ''} "
+        f"--plot docs/img --json docs/img/{source}`"
+    )
+
+
+@pytest.mark.parametrize("source", sorted(set(CHARTS.values())))
+def test_each_run_recorded_its_command_machine_date_and_build(source):
+    run = figures(source)["run"]
+    assert run["command"].startswith("outbox-relay bench")
+    assert f"--json docs/img/{source}" in run["command"]
+    assert run["machine"]
+    assert run["date"]
+    assert not run["build"].endswith("+changes"), "a chart of code no commit holds"
+    assert run["build"] in plots.caption(figures(source))
+
+
+@pytest.mark.parametrize("source", sorted(set(CHARTS.values())))
+def test_the_charts_are_drawn_again_from_their_figures(source, tmp_path):
+    document = figures(source)
+    drawn = (
+        plots.plot_soak(document, tmp_path) if "windows" in document
+        else plots.plot_bench(document, tmp_path)
+    )  # fmt: skip
+    assert {path.name for path in drawn} == {c for c, s in CHARTS.items() if s == source}
+    for path in drawn:
+        assert digest_in(path) == plots.figures_digest(document)
