@@ -594,6 +594,16 @@ def test_the_sweep_finds_a_row_put_back_while_the_triggers_were_off_between_clai
     run(db_url, test)
 
 
+async def walk_from_the_start_key_again(url: str, claims: Claims) -> None:
+    """With the triggers back, the next claim still walks from the first entry, and
+    the one after it from its start key again."""
+    insert(url, "other")
+    await claims.drain()
+    insert(url, "other")
+    await claims.drain()
+    assert not claims.start.walked_from_first_entry
+
+
 @pytest.mark.parametrize("how", ["disabled", "uninstalled"])
 def test_while_the_late_row_triggers_do_not_fire_every_claim_walks_from_the_first_entry(
     db_url, how
@@ -615,11 +625,7 @@ def test_while_the_late_row_triggers_do_not_fire_every_claim_walks_from_the_firs
         assert await claims.drain() == [old, *after]
         assert claims.start.walked_from_first_entry
         database.install(db_url)
-        insert(db_url, "other")
-        await claims.drain()  # from the first entry, the triggers on again
-        insert(db_url, "other")
-        await claims.drain()
-        assert not claims.start.walked_from_first_entry
+        await walk_from_the_start_key_again(db_url, claims)
 
     run(db_url, test)
 
@@ -650,11 +656,7 @@ def test_a_late_row_trigger_disabled_on_one_partition_makes_claims_walk_from_the
         assert claims.start.walked_from_first_entry
         database.execute(db_url, disable.format("enable always"))
         assert database.fetch(db_url, query(NAMES, "late_guard")) == [([],)]
-        insert(db_url, "other")
-        await claims.drain()  # from the first entry, the triggers on again
-        insert(db_url, "other")
-        await claims.drain()
-        assert not claims.start.walked_from_first_entry
+        await walk_from_the_start_key_again(db_url, claims)
 
     run(db_url, test)
 
