@@ -8,12 +8,11 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import nats.errors
@@ -577,29 +576,11 @@ def _demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         return 1
 
 
-def _interruptible(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a bench as Ctrl-C stops it whether it gets SIGINT or SIGTERM: unwinding,
-    so the throwaway servers and relays it started stop with it (SIGTERM's default
-    ends the process there and then, and leaves them running)."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        signal.raise_signal(signal.SIGINT)
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        return command(args)
-    except KeyboardInterrupt:
-        print(f"outbox-relay {args.command}: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     environ = os.environ if environ is None else environ
     if argv[:1] == ["bench"]:
-        return _interruptible(_bench, build_parser().parse_args(argv))
+        return _bench(build_parser().parse_args(argv))
     if argv[:1] == ["demo"]:
         return _demo(build_parser().parse_args(argv), environ)
     try:

@@ -354,20 +354,10 @@ class RelayProcess:
         self.process: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> RelayProcess:
-        spawn = asyncio.ensure_future(
-            asyncio.create_subprocess_exec(
-                sys.executable, "-m", "relay", "run", env=self._env, cwd=self._source,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-            )
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "relay", "run", env=self._env, cwd=self._source,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        try:
-            self.process = await asyncio.shield(spawn)
-        except asyncio.CancelledError:
-            # Cancelled (the bench interrupted) while the child was being forked: it
-            # exists, and nothing else would ever stop it.
-            self.process = await spawn
-            await self.__aexit__()
-            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -274,15 +274,9 @@ class _Publishing:
             self._task = asyncio.create_task(
                 plain_poller(self._target.url, self._target.nats_url, self._stop)
             )
-        try:
-            for relay in self._relays:
-                await relay.__aenter__()
-            await wait_until_ready(self._target)
-        except BaseException:
-            # Interrupted or failed before the block ran: its exit would not run, and
-            # the relays started so far would outlive the bench.
-            await self.__aexit__()
-            raise
+        for relay in self._relays:
+            await relay.__aenter__()
+        await wait_until_ready(self._target)
         return self
 
     def peak_rss_mb(self) -> float:

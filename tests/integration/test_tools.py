@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import uuid
@@ -19,7 +18,6 @@ import pytest
 from relay_tools import demo
 from tests.support import database
 from tests.support.database import Event
-from tests.support.relayproc import wait_until
 from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL
 from tests.support.stream import run_js
 
@@ -295,63 +293,3 @@ def assert_charts(directory: Path, *names: str) -> None:
         data = (directory / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
         assert len(data) > 10_000, name  # axes, bars and labels, not an empty canvas
-
-
-def _processes() -> dict[int, str]:
-    """Every live process's pid and command line, from /proc."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state != "Z":
-                found[int(entry.name)] = (entry / "cmdline").read_text().replace("\0", " ")
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
-
-
-def _throwaway_servers_and_relays(processes: dict[int, str]) -> dict[int, str]:
-    """The bench's throwaway Postgres (pg_ctl detaches it from the bench) and NATS,
-    by their directories, and relays."""
-    marks = ("outbox-relay-pg-", "outbox-relay-nats-", "-m relay run")
-    return {pid: line for pid, line in processes.items() if any(m in line for m in marks)}
-
-
-def test_a_bench_stopped_by_sigterm_stops_the_servers_and_relays_it_started(tmp_path):
-    # As a deployment or a CI job stops it: the bench unwinds as Ctrl-C makes it,
-    # and leaves no throwaway Postgres, NATS or relay behind.
-    before = set(_throwaway_servers_and_relays(_processes()))
-    progress = tmp_path / "bench.err"  # the progress line goes to stderr
-    with progress.open("w") as err:
-        bench = subprocess.Popen(
-            [sys.executable, "-m", "relay", "bench", "--quick"],
-            stdout=subprocess.DEVNULL, stderr=err,
-        )  # fmt: skip
-    try:
-        started: dict[int, str] = {}
-
-        def serving() -> bool:
-            started.update(
-                (pid, line)
-                for pid, line in _throwaway_servers_and_relays(_processes()).items()
-                if pid not in before
-            )
-            names = " ".join(started.values())
-            return all(name in names for name in ("postgres", "nats-server", "relay run"))
-
-        wait_until(serving, timeout=120, message="the bench's servers and a relay of its own")
-    finally:
-        bench.send_signal(signal.SIGTERM)
-        try:
-            bench.wait(timeout=120)
-        finally:
-            if bench.poll() is None:
-                bench.kill()
-    errors = progress.read_text()
-    assert bench.returncode == 130, errors
-    assert "outbox-relay bench: interrupted" in errors
-    assert "Traceback" not in errors
-    wait_until(
-        lambda: not set(started) & set(_processes()), timeout=30,
-        message="every server and relay the bench started stopped",
-    )  # fmt: skip
