@@ -36,11 +36,10 @@ def test_every_way_postgres_accepts_a_row_keeps_per_subject_order(
     [(late,)] = database.fetch(db_url, "select count(*) from outbox_events where relay_late")
     assert late > 0
     assert campaign.put_back
-    if outbox_layout == "partitioned":  # old created_at values in the first partition
-        [(partitions,)] = database.fetch(
-            db_url, "select count(distinct tableoid) from outbox_events"
-        )
-        assert partitions > 1
+    [(kind,)] = database.fetch(
+        db_url, "select relkind::text from pg_class where oid = 'outbox_events'::regclass"
+    )
+    assert kind == {"plain": "r", "partitioned": "p"}[outbox_layout]
     assert "Traceback" not in relay.logs()
     # Every row here is inside the model: the claims found each, and the sweep (the
     # fallback for rows outside it, found a minute later) never had to rewind them.
