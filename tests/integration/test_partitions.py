@@ -7,6 +7,7 @@ writer."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -53,6 +54,12 @@ def partitioned_url() -> Iterator[str]:
     run_cli(url, "install", "--partitions", "1min", "--partitions-ahead", "3min")
     yield url
     database.drop_database(SHARED_PG_URL, url)
+
+
+# A relay retiring partitions of a minute quickly, keeping them as far ahead as
+# partitioned_url installs them (the default, 3 days, would have it create 4,320
+# partitions meanwhile, each ATTACH conflicting with a DETACH's first step).
+RETIRING = {"retention": "2min", "retention_interval": "200ms", "partitions_ahead": "3min"}
 
 
 def start(relays: list[RelayProcess], url: str, **settings: Any) -> RelayProcess:
@@ -198,7 +205,7 @@ def test_retention_drops_spent_partitions_and_keeps_one_that_holds_a_row(
         insert_into_partition(partitioned_url, name, published=True)
     dead = insert_into_partition(partitioned_url, held, published=False, attempts=20)
     fresh = Event(stream.subject("fresh"), "fresh-1")
-    relay = start(relays, partitioned_url, retention="2min", retention_interval="200ms")
+    relay = start(relays, partitioned_url, **RETIRING)
     database.insert(partitioned_url, [fresh])
     wait_until(
         lambda: not (set(spent) & partition_names(partitioned_url)),
@@ -226,15 +233,15 @@ def test_retention_waits_for_an_idle_writer_without_making_producers_wait(
     expired = add_past_partition(partitioned_url, 10)
     insert_into_partition(partitioned_url, expired, published=True)
     # A writer idle in its transaction: a detach must wait for it to end.
-    writer = psycopg.connect(partitioned_url)
-    try:
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(psycopg.connect(partitioned_url))
         writer.execute(
             "insert into outbox_events (id, event_type, source, subject, time, data) "
             "values (gen_random_uuid(), %s, 't', 'idle-writer', now(), '{}')",
             (stream.subject("idle"),),
         )
-        relay = start(relays, partitioned_url, retention="2min", retention_interval="200ms")
-        producers = psycopg.connect(partitioned_url, autocommit=True)
+        relay = start(relays, partitioned_url, **RETIRING)
+        producers = stack.enter_context(psycopg.connect(partitioned_url, autocommit=True))
         # Queued behind a lock the relay waits for, an insert would fail here.
         producers.execute("set lock_timeout = '1s'")
         inserted = 0
@@ -249,7 +256,10 @@ def test_retention_waits_for_an_idle_writer_without_making_producers_wait(
             inserted += 1
             return relay.metric("outbox_relay_database_errors_total", task="retention") >= 1
 
-        wait_until(detach_timed_out, timeout=30, interval=0.05, message="a detach timed out")
+        try:
+            wait_until(detach_timed_out, timeout=30, interval=0.05, message="a detach timed out")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the relay's log ends:\n{relay.logs()[-4000:]}") from None
         assert "lock timeout" in relay.logs()
         assert expired in {p.name for p in layout(partitioned_url).partitions}
         writer.commit()
@@ -263,9 +273,6 @@ def test_retention_waits_for_an_idle_writer_without_making_producers_wait(
             message="every producer's row published",
         )
         assert inserted > 1
-        producers.close()
-    finally:
-        writer.close()
 
 
 def partitioned_claim_plan(url: str, start_at: str) -> str:
