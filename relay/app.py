@@ -102,7 +102,7 @@ class Relay:
         )
         self.scheduler = Scheduler(
             config=config,
-            run_batch=functools.partial(aio.call, batch.run),
+            run_batch=batch.run,
             broker=self.broker,
             metrics=self.metrics,
             health=self.health,

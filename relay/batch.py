@@ -1,18 +1,19 @@
-"""One batch, whole, on the asyncio side: claim, publish in per-subject order, mark,
-commit.
+"""One batch, whole: claim, publish in per-subject order, mark, commit.
 
-The scheduler (trio) decides when a batch runs and how long it may take; the batch
-itself is a single call through :func:`relay.aio.call`. Its I/O is the asyncio
-halves of the two doors (:class:`relay.database.Transaction` and
-:class:`relay.broker.Broker`: its publish modes, waves and batches); its decisions
-are pure functions (the order, :func:`relay.envelope.message_for`, the marks); and
-beside them it reads the wall clock once, opens tracing spans, logs and hits the
-failpoints.
+The scheduler decides when a batch runs and how long it may take; the batch runs in
+trio. Its statements are waited on by trio itself (:class:`relay.database.Transaction`
+on :class:`relay.pgtrio.TrioConnection`), and its messages go through the door once
+per publish (:class:`relay.broker.Broker` is asyncio's, as nats-py is: its publish
+modes, waves and batches). Its decisions are pure functions (the order,
+:func:`relay.envelope.message_for`, the marks); beside them it reads the wall clock
+once, opens tracing spans, logs and hits the failpoints.
 
-Why one crossing and not one per statement: each crossing between trio and asyncio
-that waits on I/O costs wall time, and at light load a batch that crossed per
-statement spent most of the time from a commit to the broker crossing
-(docs/performance.md, *One crossing per batch*).
+Why the statements in trio and not behind the door with the publish: psycopg's own
+wait under trio-asyncio costs 2.3-2.5 times the CPU of trio's wait for the same
+round trip, and a batch at steady load is two round trips and one publish
+(docs/performance.md, *Steady load*). One crossing for the publish: each crossing
+costs about 60 us, and a batch that crossed per statement spent most of the time
+from a commit to the broker crossing.
 
 This is also where the table and the broker could disagree, so the crash windows
 are marked where they are.
@@ -29,7 +30,9 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from relay import failpoints
+import trio
+
+from relay import aio, failpoints
 from relay.config import Config
 from relay.database import Claim
 from relay.envelope import Message, MessageSettings, message_for
@@ -164,22 +167,25 @@ class _Flight:
     then sends the rows of every subject the earlier batch settled, so a subject's
     rows still reach the broker in claim order."""
 
-    def __init__(self, rows: list[OutboxRow], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, rows: list[OutboxRow]) -> None:
         self.rows = rows
         self.ids = frozenset(row.id for row in rows)
         self.subjects = frozenset(row.subject for row in rows)
-        # Set once the batch is done publishing: the subjects it did not settle.
-        self.unsettled: asyncio.Future[frozenset[str]] = loop.create_future()
+        # Set once the batch is done publishing; until then every subject it holds
+        # is unsettled.
+        self.settled = trio.Event()
+        self.unsettled = self.subjects
 
     def published(self, results: dict[RowId, PublishResult]) -> None:
-        if not self.unsettled.done():
-            self.unsettled.set_result(unsettled_subjects(self.rows, results))
+        if not self.settled.is_set():
+            self.unsettled = unsettled_subjects(self.rows, results)
+            self.settled.set()
 
     def abandoned(self) -> None:
         """The batch ends without saying what it published: nothing after it may
         pass any of its subjects."""
-        if not self.unsettled.done():
-            self.unsettled.set_result(self.subjects)
+        if not self.settled.is_set():
+            self.settled.set()
 
 
 class Batch:
@@ -207,12 +213,12 @@ class Batch:
         self._warnings = RepeatedWarnings(log)
         self._tracing = tracing or NoTracing()
         self._binary = config.envelope == "binary"
-        self._claiming = asyncio.Lock()
+        self._claiming = trio.Lock()
         self._in_flight: list[_Flight] = []
 
     async def run(self) -> BatchOutcome:
-        """asyncio side: one claim-publish-mark transaction. Raises the relay's
-        errors for the database; a publish failure is a result, never an error."""
+        """One claim-publish-mark transaction. Raises the relay's errors for the
+        database; a publish failure is a result, never an error."""
         config = self._config
         flight: _Flight | None = None
         try:
@@ -224,7 +230,7 @@ class Batch:
                     if not claim.rows:
                         await tx.commit()
                         return BatchOutcome(from_first_entry=claim.from_first_entry)
-                    flight = _Flight(claim.rows, asyncio.get_running_loop())
+                    flight = _Flight(claim.rows)
                     self._in_flight.append(flight)
                 rows = claim.rows
                 held = held_behind_blockers(rows, claim.blockers)
@@ -269,11 +275,9 @@ class Batch:
     async def _publish_after(
         self, rows: list[OutboxRow], earlier: list[_Flight]
     ) -> dict[RowId, PublishResult]:
-        """asyncio side: publish ``rows``, those of subjects an earlier batch in
-        flight also holds only once it has settled them, all within the publish
-        timeout from now."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._config.publish_timeout
+        """Publish ``rows``, those of subjects an earlier batch in flight also holds
+        only once it has settled them, all within the publish timeout from now."""
+        deadline = trio.current_time() + self._config.publish_timeout
         waiting = frozenset().union(*(f.subjects for f in earlier))
         results = await self._publish([r for r in rows if r.subject not in waiting], deadline)
         later = [r for r in rows if r.subject in waiting]
@@ -282,20 +286,20 @@ class Batch:
             # before ours; waiting is bounded by ours all the same (a publish that
             # overran its budget). An earlier batch not settled by then holds back
             # every subject it has.
-            flights = [f.unsettled for f in earlier]
-            await asyncio.wait(flights, timeout=max(0.0, deadline - loop.time()))
-            unsettled = frozenset().union(
-                *(f.unsettled.result() if f.unsettled.done() else f.subjects for f in earlier)
-            )
+            with trio.move_on_at(deadline):
+                for flight in earlier:
+                    await flight.settled.wait()
+            unsettled = frozenset().union(*(f.unsettled for f in earlier))
             results.update(
                 await self._publish([r for r in later if r.subject not in unsettled], deadline)
             )
         return results
 
     async def _publish(self, rows: list[OutboxRow], deadline: float) -> dict[RowId, PublishResult]:
-        """asyncio side: publish ``rows`` in per-subject order until ``deadline`` (loop
-        time). Rows without a result were not sent and stay exactly as they were.
-        With tracing on, inside a span of its own (relay/tracing.py)."""
+        """Publish ``rows`` in per-subject order until ``deadline`` (trio's clock, which
+        is also the asyncio loop's). Rows without a result were not sent and stay
+        exactly as they were. With tracing on, inside a span of its own
+        (relay/tracing.py)."""
         # Each row's trace context, read once for its message and the span's links.
         traces = {
             row.id: trace_context(row.traceparent, row.tracestate)
@@ -349,8 +353,16 @@ class Batch:
                 results[row.id] = Failed(*built)
                 stopped.add(row.subject)  # it goes dead and holds its subject
         self._failpoints.hit(failpoints.CRASH_BEFORE_PUBLISH)
-        if not sendable:
-            return results
+        if sendable:
+            results.update(await aio.call(self._send, sendable, messages, deadline))
+        return results
+
+    async def _send(
+        self, sendable: list[OutboxRow], messages: Mapping[RowId, Message], deadline: float
+    ) -> dict[RowId, PublishResult]:
+        """asyncio side: send the messages of ``sendable``, in per-subject order, each
+        stream's in its publish mode, until ``deadline``."""
+        max_payload = self._broker.max_payload
         plan = await self._broker.publish_modes({row.event_type for row in sendable})
         # A message that fits alone but not with an atomic batch's headers goes on its
         # own, and so do the other rows of its subject (their order).
@@ -362,8 +374,8 @@ class Batch:
         }
         one_by_one, batched = split_by_publish_mode(sendable, plan, alone)
         if not batched:  # the common case at steady load: no task to gather
-            results.update(await self._publish_waves(one_by_one, messages, deadline))
-            return results
+            return await self._publish_waves(one_by_one, messages, deadline)
+        results: dict[RowId, PublishResult] = {}
         # No row subject spans two of these, so they go at once, in any order.
         for found in await asyncio.gather(
             self._publish_waves(one_by_one, messages, deadline),

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
-import socket
 import weakref
 from collections.abc import AsyncIterator, Callable, Set
 from contextlib import asynccontextmanager
@@ -35,6 +33,7 @@ from relay.marks import Marks
 from relay.model import OutboxRow, RowId
 from relay.ordering import OrderKey, earliest_blockers
 from relay.partitions import NewPartition, Partition, partitions_to_create, period_of
+from relay.pgtrio import TrioConnection, break_connection
 from relay.poolers import pooled_from_config
 from relay.sqlfiles import (
     Names,
@@ -86,6 +85,13 @@ CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim")
 # is taken for dead and closed.
 RETURN_TIMEOUT = 5.0
 
+# A batch's connection is kept by the batches, trio-side, for this long after it left
+# the pool, and goes back to the pool after the first batch past it: a batch then
+# costs no crossing into asyncio to take one or give it back, and the pool still sees
+# each connection often enough to recycle it (max_lifetime). One is kept: light load
+# runs one batch at a time; a second batch in flight takes and returns its own.
+KEEP_OUT_OF_POOL = 60.0
+
 _SETUP_ERRORS = (
     psycopg.errors.UndefinedTable,
     psycopg.errors.UndefinedColumn,
@@ -93,16 +99,6 @@ _SETUP_ERRORS = (
     psycopg.errors.InvalidSchemaName,
     psycopg.errors.InsufficientPrivilege,
 )
-
-
-def break_connection(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Shut the connection's socket down under it, so whatever waits on it fails at
-    once. For a connection that stopped answering: cancelling the wait instead would
-    make psycopg send a cancel request down the same dead path and wait for it."""
-    with contextlib.suppress(OSError, psycopg.Error):
-        fd = conn.pgconn.socket
-        with socket.socket(fileno=os.dup(fd)) as sock:
-            sock.shutdown(socket.SHUT_RDWR)
 
 
 def connection_string(url: str) -> str:
@@ -156,7 +152,7 @@ async def _execute_and_commit(
     statements: list[tuple[sql.Composed, dict[str, Any]]],
     crash_before_commit: Callable[[], None] | None,
 ) -> None:
-    """asyncio side: the statements and the commit in one pipeline sync, one round
+    """The statements and the commit in one pipeline sync, one round
     trip (on a pooled connection, so never prepared: see POOLED_CONNECTION). COMMIT
     goes as a statement: ``conn.commit()`` in a pipeline syncs, and leaving the
     pipeline then syncs again, a second round trip."""
@@ -178,9 +174,7 @@ def _uuid_array(ids: list[RowId]) -> str:
     return "{" + ",".join(ids) + "}"
 
 
-async def _give_back(
-    pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]], conn: psycopg.AsyncConnection[Any]
-) -> None:
+async def _give_back(pool: AsyncConnectionPool[TrioConnection], conn: TrioConnection) -> None:
     """asyncio side: roll back whatever the connection was doing and return it to the
     pool. A connection that cannot roll back within a few seconds (a dead path) is
     closed, and the pool replaces it, rather than leaked out of the pool."""
@@ -195,6 +189,24 @@ async def _give_back(
         with contextlib.suppress(psycopg.Error):
             await conn.close()
     await pool.putconn(conn)
+
+
+async def _roll_back_from_trio(conn: TrioConnection) -> None:
+    """trio side: end whatever transaction ``conn`` is in, waiting in trio. One that
+    cannot roll back within a few seconds (a dead path) is closed: the pool replaces
+    it when it comes back."""
+    if conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        return
+    with trio.move_on_after(RETURN_TIMEOUT):
+        try:
+            await conn.rollback()
+        except psycopg.Error:
+            pass
+        else:
+            return
+    break_connection(conn)
+    with contextlib.suppress(psycopg.Error):
+        await conn.close()
 
 
 async def _notify(conninfo: str, channel: str, payload: str) -> None:
@@ -227,8 +239,8 @@ class Backlog:
 
 class Transaction:
     """One claim-publish-mark transaction on one connection (in autocommit, as
-    :data:`POOLED_CONNECTION` makes them: the claim opens the transaction). asyncio
-    side: its methods run inside a batch's single crossing (see :mod:`relay.batch`).
+    :data:`POOLED_CONNECTION` makes them: the claim opens the transaction). trio side:
+    its statements are waited on by trio (:class:`relay.pgtrio.TrioConnection`).
 
     ``prepared`` holds the connections that have the claim prepared; ``start``
     carries where the claim's walks start from one claim to the next."""
@@ -377,7 +389,10 @@ class Database:
             # per batch. Producers' commits are theirs.
             "synchronous_commit": "off",
         }
-        self._pool: AsyncConnectionPool[psycopg.AsyncConnection[Any]] | None = None
+        self._pool: AsyncConnectionPool[TrioConnection] | None = None
+        # The batches' connection between batches (see KEEP_OUT_OF_POOL), and when it
+        # left the pool (trio's clock).
+        self._kept: tuple[TrioConnection, float] | None = None
         self._claim_prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
         # None until the LISTEN self-check tells (relay/poolers.py); meanwhile the
         # relay behaves as behind a transaction pooler, which is right either way.
@@ -414,8 +429,9 @@ class Database:
             self._pooled = pooled
 
     async def _checked_out(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """asyncio side: give a connection the session settings at its first use once
-        it is known that no transaction pooler stands between (one round trip, once)."""
+        """Give a connection the session settings at its first use once it is known
+        that no transaction pooler stands between (one round trip, once). Either side
+        of the door: the connection waits on the loop that awaits it."""
         if self._pooled is False and conn not in self._configured:
             for name, value in self._session_settings.items():
                 await conn.execute("select set_config(%s, %s, false)", (name, value))
@@ -426,6 +442,9 @@ class Database:
         outage to ride out, not a reason to exit."""
         self._pool = AsyncConnectionPool(
             self._conninfo,
+            # Its connections wait in trio when trio drives them (the batches) and in
+            # asyncio when asyncio does (everything else, through the door).
+            connection_class=TrioConnection,
             min_size=1,
             max_size=4,
             open=False,
@@ -443,10 +462,13 @@ class Database:
     async def close(self) -> None:
         if self._pool is not None:
             with trio.move_on_after(5):
+                if self._kept is not None:
+                    (conn, _), self._kept = self._kept, None
+                    await aio.call(self._pool.putconn, conn)
                 await aio.call(self._pool.close)
             self._pool = None
 
-    def _require_pool(self) -> AsyncConnectionPool[psycopg.AsyncConnection[Any]]:
+    def _require_pool(self) -> AsyncConnectionPool[TrioConnection]:
         if self._pool is None:
             raise RuntimeError("Database.open() was not called")
         return self._pool
@@ -469,10 +491,9 @@ class Database:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Transaction]:
-        """asyncio side: a batch transaction. Leaving without ``commit`` rolls it back."""
-        pool = self._require_pool()
-        async with translated("begin batch"):
-            conn = await pool.getconn()
+        """trio side: a batch transaction, its statements waited on by trio
+        (relay/pgtrio.py). Leaving without ``commit`` rolls it back."""
+        conn, taken_at = await self._batch_connection()
         try:
             async with translated("begin batch"):
                 await self._checked_out(conn)
@@ -485,9 +506,35 @@ class Database:
                 partitioned=self._partitioned,
             )
         finally:
-            # Runs to its end even when the batch was cancelled (its deadline passed):
-            # asyncio delivers a cancellation once, and trio waits for this task.
-            await _give_back(pool, conn)
+            # Runs to its end even when the batch was cancelled (its deadline passed).
+            with trio.CancelScope(shield=True):
+                await _roll_back_from_trio(conn)
+                await self._end_batch(conn, taken_at)
+
+    async def _batch_connection(self) -> tuple[TrioConnection, float]:
+        """The connection kept from the last batch, else one from the pool."""
+        if self._kept is not None:
+            kept, self._kept = self._kept, None
+            return kept
+        pool = self._require_pool()
+        async with translated("begin batch"):
+            conn = await aio.call(pool.getconn)
+        return conn, trio.current_time()
+
+    async def _end_batch(self, conn: TrioConnection, taken_at: float) -> None:
+        """Keep ``conn`` for the next batch, or give it back to the pool: when one is
+        kept already, when it has been out long enough, or when it is not fit."""
+        fit = not conn.closed and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        if (
+            fit
+            and self._kept is None
+            and self._pool is not None
+            and trio.current_time() - taken_at < KEEP_OUT_OF_POOL
+        ):
+            self._kept = (conn, taken_at)
+            return
+        if self._pool is not None:
+            await aio.call(_give_back, self._pool, conn)
 
     async def check_setup(self) -> SetupReport:
         """Fail clearly if the table or the relay's columns are missing; mark dead the

@@ -21,9 +21,9 @@ from psycopg import sql
 from psycopg.abc import Query
 
 from relay import aio
-from relay.database import break_connection, translate
+from relay.database import translate
 from relay.errors import DatabaseUnavailable
-from relay.pgtrio import TrioConnection
+from relay.pgtrio import TrioConnection, break_connection
 from relay.sqlfiles import Names, query
 
 log = logging.getLogger(__name__)

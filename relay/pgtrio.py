@@ -12,7 +12,10 @@ generators it consumes), hence the upper bound on psycopg in pyproject.toml.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
+import socket
 from typing import Any
 
 import psycopg
@@ -23,7 +26,15 @@ from psycopg.abc import RV, PQGen
 from psycopg.pq import TransactionStatus
 from psycopg.waiting import Ready, Wait
 
-from relay.database import break_connection
+
+def break_connection(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Shut the connection's socket down under it, so whatever waits on it fails at
+    once. For a connection that stopped answering: cancelling the wait instead would
+    make psycopg send a cancel request down the same dead path and wait for it."""
+    with contextlib.suppress(OSError, psycopg.Error):
+        fd = conn.pgconn.socket
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _ready_now(fileno: int, wanted: Wait) -> int:

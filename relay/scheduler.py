@@ -169,7 +169,7 @@ class BrokerLink(Protocol):
 
 class Scheduler:
     """Decides when batches run. ``run_batch`` runs one batch (claim, publish, mark,
-    commit: :class:`relay.batch.Batch`, behind the asyncio door) and may be called
+    commit: :class:`relay.batch.Batch`) and may be called
     again before the previous call returns, up to BATCHES_IN_FLIGHT at once."""
 
     def __init__(
@@ -391,7 +391,7 @@ class Scheduler:
             return claimed
 
     async def run_pass(self) -> PassResult:
-        """One batch, in one crossing into asyncio (see :mod:`relay.batch`)."""
+        """One batch (see :mod:`relay.batch`)."""
         try:
             outcome = await self._run_batch()
         except RelayError:

@@ -9,9 +9,11 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 import pytest
+import trio
 from nats.aio.client import _CRLF_, NATS_HDR_LINE, Client
 from nats.protocol.command import hpub_cmd
 
+from relay import aio
 from relay.batch import Batch, published_rows, split_by_publish_mode
 from relay.batchreplies import (
     FAST_BATCH_OUTSTANDING_ACKS,
@@ -382,10 +384,10 @@ def publish(broker: ScriptedBroker, rows: list[OutboxRow]) -> dict:
     batch = Batch(config=Config(), database=None, broker=broker, failpoints=Failpoints(frozenset()))  # type: ignore[arg-type]
 
     async def run() -> dict:
-        deadline = asyncio.get_running_loop().time() + 5
-        return await batch._publish(rows, deadline)
+        async with aio.open_loop():
+            return await batch._publish(rows, trio.current_time() + 5)
 
-    return asyncio.run(run())
+    return trio.run(run)
 
 
 def test_after_a_refused_message_the_other_subjects_go_in_the_next_batch():

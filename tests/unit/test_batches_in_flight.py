@@ -137,7 +137,7 @@ def run(database: Database, test: Callable[[Batch, Broker], Awaitable[None]]) ->
 
 async def start(nursery: trio.Nursery, batch: Batch, into: list[BatchOutcome]) -> None:
     async def one() -> None:
-        into.append(await aio.call(batch.run))
+        into.append(await batch.run())
 
     nursery.start_soon(one)
 
@@ -252,7 +252,7 @@ def test_a_first_batch_whose_marks_fail_after_its_acks_keeps_the_order():
 
         async def first() -> None:
             try:
-                await aio.call(batch.run)
+                await batch.run()
             except RuntimeError as exc:
                 failures.append(exc)
 
@@ -287,7 +287,7 @@ def test_a_first_batch_abandoned_before_it_published_holds_back_its_subjects():
 
             async def first() -> None:
                 with first_scope:
-                    await aio.call(batch.run)
+                    await batch.run()
 
             nursery.start_soon(first)
             await until(lambda: broker.sent == [a1.id])
