@@ -285,6 +285,26 @@ def test_listen_backend_terminated_reconnects_and_sweeps(db_url, stream, start_r
     assert any("LISTEN connection lost" in r.get("message", "") for r in relay.log_records())
 
 
+def test_the_batches_connection_terminated_between_batches_is_replaced(db_url, stream, start_relay):
+    # Between batches the batches keep a connection out of the pool (relay/database.py,
+    # KEEP_OUT_OF_POOL): one that dies meanwhile fails one batch and is not kept again.
+    relay = start_relay(poll_interval="30s")
+    database.insert(db_url, [Event(stream.subject("one"), "a")])
+    delivered(stream, 1)
+    [(terminated,)] = database.fetch(
+        db_url,
+        "select count(pg_terminate_backend(pid)) from pg_stat_activity "
+        "where datname = current_database() and application_name = 'outbox-relay'",
+    )
+    assert terminated >= 1
+    database.insert(db_url, [Event(stream.subject("two"), "b")])
+    assert len(delivered(stream, 2, timeout=10)) == 2
+    assert relay.metric("outbox_relay_database_errors_total", task="publisher") >= 1
+    database.insert(db_url, [Event(stream.subject("three"), "c")])
+    assert len(delivered(stream, 3, timeout=3)) == 3
+    assert relay.ready()
+
+
 def test_retention_deletes_only_spent_rows(db_url, stream, start_relay):
     old_spent, new_spent, old_unpublished, old_dead = (uuid.uuid4() for _ in range(4))
     with psycopg.connect(db_url) as conn:
