@@ -146,8 +146,10 @@ def dead_count(url: str, max_attempts: int) -> int:
 
 
 def relay_session(url: str) -> psycopg.Connection[Any]:
-    """A connection with the relay's session settings (timeouts, planner settings)."""
-    conn = psycopg.connect(url)
+    """A connection with the relay's session settings (timeouts, planner settings),
+    which, as the relay's own, never prepares a statement by itself: psycopg would
+    deallocate every prepared statement, the claim's too, at the next rollback."""
+    conn = psycopg.connect(url, prepare_threshold=None)
     for name, value in relay_database.Database(Config(database_url=url)).session_settings.items():
         conn.execute("select set_config(%s, %s, false)", (name, value))
     conn.commit()
