@@ -2,18 +2,18 @@
 
 The scheduler decides when a batch runs and how long it may take; the batch runs in
 trio. Its statements are waited on by trio itself (:class:`relay.database.Transaction`
-on :class:`relay.pgtrio.TrioConnection`), and its messages go through the door once
-per publish (:class:`relay.broker.Broker` is asyncio's, as nats-py is: its publish
-modes, waves and batches). Its decisions are pure functions (the order,
+on :class:`relay.pgtrio.TrioConnection`), and so are its waves: the broker writes
+their frames to nats-py's transport and the acks, which arrive in nats-py's asyncio
+callbacks, set a trio event (:class:`relay.broker.Broker.publish_wave`). Only a
+stream's fast or atomic batch, a read of the streams' modes and a question about
+"no responders" cross into asyncio. Its decisions are pure functions (the order,
 :func:`relay.envelope.message_for`, the marks); beside them it reads the wall clock
 once, opens tracing spans, logs and hits the failpoints.
 
-Why the statements in trio and not behind the door with the publish: psycopg's own
-wait under trio-asyncio costs 2.3-2.5 times the CPU of trio's wait for the same
-round trip, and a batch at steady load is two round trips and one publish
-(docs/performance.md, *Steady load*). One crossing for the publish: each crossing
-costs about 60 us, and a batch that crossed per statement spent most of the time
-from a commit to the broker crossing.
+Why trio and not asyncio: psycopg's own wait under trio-asyncio costs 2.3-2.5 times
+the CPU of trio's wait for the same round trip, a crossing about 60 us, and an
+asyncio timer and future a pass of the scheduler each; a batch at steady load is
+two round trips and one wave (docs/performance.md, *Steady load*).
 
 This is also where the table and the broker could disagree, so the crash windows
 are marked where they are.
@@ -21,7 +21,6 @@ are marked where they are.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
@@ -140,7 +139,8 @@ class BatchDatabase(Protocol):
 
 
 class BatchBroker(Protocol):
-    """Where a batch's messages go (:class:`relay.broker.Broker`)."""
+    """Where a batch's messages go (:class:`relay.broker.Broker`): its publish modes
+    and waves awaited from trio, its batches from asyncio (through the door)."""
 
     @property
     def max_payload(self) -> int: ...
@@ -354,14 +354,14 @@ class Batch:
                 stopped.add(row.subject)  # it goes dead and holds its subject
         self._failpoints.hit(failpoints.CRASH_BEFORE_PUBLISH)
         if sendable:
-            results.update(await aio.call(self._send, sendable, messages, deadline))
+            results.update(await self._send(sendable, messages, deadline))
         return results
 
     async def _send(
         self, sendable: list[OutboxRow], messages: Mapping[RowId, Message], deadline: float
     ) -> dict[RowId, PublishResult]:
-        """asyncio side: send the messages of ``sendable``, in per-subject order, each
-        stream's in its publish mode, until ``deadline``."""
+        """Send the messages of ``sendable``, in per-subject order, each stream's in
+        its publish mode, until ``deadline``."""
         max_payload = self._broker.max_payload
         plan = await self._broker.publish_modes({row.event_type for row in sendable})
         # A message that fits alone but not with an atomic batch's headers goes on its
@@ -373,28 +373,33 @@ class Batch:
             and messages[row.id].wire_size + ATOMIC_HEADER_BYTES > max_payload
         }
         one_by_one, batched = split_by_publish_mode(sendable, plan, alone)
-        if not batched:  # the common case at steady load: no task to gather
+        if not batched:  # the common case at steady load: no task to start
             return await self._publish_waves(one_by_one, messages, deadline)
         results: dict[RowId, PublishResult] = {}
+
+        async def waves() -> None:
+            results.update(await self._publish_waves(one_by_one, messages, deadline))
+
+        async def batches(mode: PublishMode, rows: list[OutboxRow]) -> None:
+            results.update(await self._publish_batches(mode, rows, messages, deadline))
+
         # No row subject spans two of these, so they go at once, in any order.
-        for found in await asyncio.gather(
-            self._publish_waves(one_by_one, messages, deadline),
-            *(self._publish_batches(mode, rows, messages, deadline) for mode, rows in batched),
-        ):
-            results.update(found)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waves)
+            for mode, rows in batched:
+                nursery.start_soon(batches, mode, rows)
         return results
 
     async def _publish_waves(
         self, rows: list[OutboxRow], messages: Mapping[RowId, Message], deadline: float
     ) -> dict[RowId, PublishResult]:
-        """asyncio side: publish ``rows`` one message each, the rows of a subject in
-        waves (the next only after the previous one's ack)."""
+        """Publish ``rows`` one message each, the rows of a subject in waves (the next
+        only after the previous one's ack)."""
         results: dict[RowId, PublishResult] = {}
         queues = SubjectQueues(rows)
         # The deadline bounds how long this transaction holds its row locks.
-        loop = asyncio.get_running_loop()
         while queues:
-            remaining = deadline - loop.time()
+            remaining = deadline - trio.current_time()
             if remaining <= 0:
                 break
             wave = queues.next_wave()
@@ -414,22 +419,22 @@ class Batch:
         messages: Mapping[RowId, Message],
         deadline: float,
     ) -> dict[RowId, PublishResult]:
-        """asyncio side: publish ``rows``, all of one stream, in order, as batches.
+        """Publish ``rows``, all of one stream, in order, as batches (each through the
+        door: nats-py's batch replies are asyncio's).
 
         The stream stores a batch's messages in order and stops at the first it
         cannot store, so a subject's rows keep their order. After a message the
         stream refused, the rows of other subjects that came after it go in the
         next batch; the refused row's subject stops here, as in waves."""
         results: dict[RowId, PublishResult] = {}
-        loop = asyncio.get_running_loop()
         pending = rows
-        while pending and (remaining := deadline - loop.time()) > 0:
+        while pending and (remaining := deadline - trio.current_time()) > 0:
             if len(pending) < MIN_BATCH_MESSAGES:
                 results.update(await self._publish_waves(pending, messages, deadline))
                 break
             chunk = pending[:ATOMIC_BATCH_LIMIT] if mode is PublishMode.ATOMIC else pending
-            found = await self._broker.publish_batch(
-                mode, [messages[row.id] for row in chunk], remaining
+            found = await aio.call(
+                self._broker.publish_batch, mode, [messages[row.id] for row in chunk], remaining
             )
             if found is None:  # turned down as a batch: each message on its own
                 results.update(await self._publish_waves(pending, messages, deadline))

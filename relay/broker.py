@@ -19,6 +19,7 @@ from typing import Any, cast
 import nats
 import nats.errors
 import nats.js.errors
+import trio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -229,22 +230,23 @@ class Broker:
         return (version.major, version.minor, version.patch)
 
     async def publish_modes(self, subjects: Iterable[str]) -> dict[str, tuple[PublishMode, str]]:
-        """asyncio side: for each subject, the mode to publish it with and the stream
+        """trio side: for each subject, the mode to publish it with and the stream
         that captures it ("" for none), from what was last read of the streams. Once
         that is STREAM_MODES_TTL seconds old, it is read again beside the batch, not
         in its way: a batch holds its row locks, and a read can take up to
         STREAM_MODES_READ_TIMEOUT. After a (re)connect or a stream's change a batch
-        waits for a read; until one succeeds, every subject goes per message."""
-        loop = asyncio.get_running_loop()
+        waits for a read; until one succeeds, every subject goes per message. Only a
+        read crosses into asyncio."""
         cache = self._stream_modes
-        if cache.must_read_first(loop.time()):
+        now = trio.current_time()
+        if cache.must_read_first(now):
             # Nothing read since connect or since a stream changed: read now, or a
             # stream that takes batches would get its first rows per message.
-            await self._read_stream_modes(loop)
-        elif cache.may_refresh(loop.time()) and (
+            await aio.call(self._read_stream_modes_now)
+        elif cache.may_refresh(now) and (
             self._streams_reading is None or self._streams_reading.done()
         ):
-            self._streams_reading = loop.create_task(self._read_stream_modes(loop))
+            await aio.call(self._refresh_stream_modes)
         streams = cache.known()
         version = self.server_version
         plan: dict[str, tuple[PublishMode, str]] = {}
@@ -253,6 +255,11 @@ class Broker:
             mode = choose_mode(stream, version, self._publish_mode)
             plan[subject] = (mode, stream.name if stream else "")
         return plan
+
+    async def _refresh_stream_modes(self) -> None:
+        """asyncio side: read the streams' modes in a task of its own."""
+        loop = asyncio.get_running_loop()
+        self._streams_reading = loop.create_task(self._read_stream_modes(loop))
 
     def forget_stream_modes(self) -> None:
         """Read the streams' modes again before the next batch (one turned a batch down)."""
@@ -318,19 +325,20 @@ class Broker:
                 log.debug("closing NATS: %s", exc)
 
     async def publish_wave(self, messages: Sequence[Message], budget: float) -> list[PublishResult]:
-        """asyncio side: publish ``messages`` pipelined and wait up to ``budget``
-        seconds for their acks. One result per message, in order; never raises for a
-        message.
+        """trio side: publish ``messages`` pipelined and wait up to ``budget`` seconds
+        for their acks. One result per message, in order; never raises for a message.
 
+        Sent by writing nats-py's transport directly and waited on as a trio event
+        that the acks' callbacks set (relay.inboxes.Wave): no crossing into asyncio,
+        but to make the ack inbox once, and to ask JetStream about "no responders".
         The budget is explicit, not a cancellation, because cancelling would throw
         away the acks that did arrive; each of those is a row to mark."""
         nc = self._nc
         if nc is None or self._js is None or not self.connected:
             return [Failed(FailureReason.DISCONNECTED, "not connected to NATS")] * len(messages)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        acks, _ = await self._inboxes(nc)
-        wave = Wave(len(messages), loop)
+        deadline = trio.current_time() + budget
+        acks = self._acks if self._acks is not None else (await aio.call(self._inboxes, nc))[0]
+        wave = Wave(len(messages))
         # Frames of our own, as a batch's: nats-py's publish checks each header name
         # with a regular expression and encodes it apart, which cost a traced row
         # (five headers) more than all else the relay does for it (docs/performance.md).
@@ -349,15 +357,19 @@ class Broker:
                 wave.settle(index, Failed(FailureReason.DISCONNECTED, "not connected to NATS"))
         send_queued(nc)
         if wave.pending:
-            await asyncio.wait([wave.done], timeout=max(0.0, deadline - loop.time()))
+            with trio.move_on_at(deadline):
+                await wave.done.wait()
         acks.forget(wave)
-        if not wave.pending:
-            return await self._confirm_no_stream(
-                messages, cast("list[PublishResult]", wave.results), deadline
-            )
-        missing = self._unanswered()
-        results = [missing if result is None else result for result in wave.results]
-        return await self._confirm_no_stream(messages, results, deadline)
+        if wave.pending:
+            missing = self._unanswered()
+            results = [missing if result is None else result for result in wave.results]
+        else:
+            results = cast("list[PublishResult]", wave.results)
+        if not any(
+            isinstance(r, Failed) and r.reason is FailureReason.NO_RESPONDERS for r in results
+        ):
+            return results
+        return await aio.call(self._confirm_no_stream, messages, results, deadline)
 
     async def publish_batch(
         self, mode: PublishMode, messages: Sequence[Message], budget: float

@@ -6,9 +6,9 @@ headers (ADR-50).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
+import trio
 from nats.aio.msg import Msg
 
 from relay.batchreplies import FAST_BATCH_FLOW
@@ -33,24 +33,26 @@ def hpub_frame(subject: str, reply: str, headers: Mapping[str, str], body: bytes
 
 
 class Wave:
-    """The acks one wave waits for: a result slot per message, and one future that
-    is set when the last outstanding ack arrives (one wake-up per wave, not one per
-    message: each asyncio callback costs a trip through trio's scheduler)."""
+    """The acks one wave waits for: a result slot per message, and one trio event
+    that is set when the last outstanding ack arrives (one wake-up per wave, not one
+    per message). The acks arrive in nats-py's asyncio callbacks, which trio-asyncio
+    runs inside a trio task: they may set a trio event, and the wave is waited on
+    from trio, with no crossing."""
 
     __slots__ = ("done", "pending", "results", "tokens")
 
-    def __init__(self, size: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, size: int) -> None:
         self.results: list[PublishResult | None] = [None] * size
         self.tokens: list[str] = []
         self.pending = 0
-        self.done: asyncio.Future[None] = loop.create_future()
+        self.done = trio.Event()
 
     def settle(self, index: int, result: PublishResult) -> None:
         if self.results[index] is None:
             self.results[index] = result
             self.pending -= 1
-            if self.pending == 0 and not self.done.done():
-                self.done.set_result(None)
+            if self.pending == 0:
+                self.done.set()
 
 
 class AckInbox:

@@ -8,7 +8,6 @@ and only for the subjects it settled (every row acked, or failed for good)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -44,14 +43,27 @@ def row(subject: str, created_at: float, event_type: str = "orders.placed") -> O
     )
 
 
+class Answer:
+    """One message's ack, as the test gives it."""
+
+    def __init__(self) -> None:
+        self.given = trio.Event()
+        self.result: PublishResult = Acked()
+
+    async def wait(self) -> PublishResult:
+        await self.given.wait()
+        return self.result
+
+
 class Broker:
-    """Records every wave; each message waits for the test to answer it."""
+    """Records every wave; each message waits for the test to answer it. Waves are
+    awaited from trio, as the relay's are."""
 
     max_payload = MAX_PAYLOAD
 
     def __init__(self) -> None:
         self.sent: list[str] = []  # row ids, in the order they reached the broker
-        self.answers: dict[str, asyncio.Future[PublishResult]] = {}
+        self.answers: dict[str, Answer] = {}
         self.arrived = trio.Event()
         # Rows whose publish overruns its budget (a bug, a stuck client): answered
         # only when the test answers them.
@@ -66,28 +78,26 @@ class Broker:
         raise AssertionError("every subject goes per message here")
 
     async def publish_wave(self, messages: Sequence[Message], budget: float) -> list[PublishResult]:
-        loop = asyncio.get_running_loop()
         ids = [m.headers["Nats-Msg-Id"] for m in messages]
         for row_id in ids:
             self.sent.append(row_id)
-            self.answers[row_id] = loop.create_future()
+            self.answers[row_id] = Answer()
         self.arrived.set()
         self.arrived = trio.Event()
         if self.overrun & set(ids):
-            return [await asyncio.shield(self.answers[row_id]) for row_id in ids]
-        try:
-            async with asyncio.timeout(budget):
-                return [await asyncio.shield(self.answers[row_id]) for row_id in ids]
-        except TimeoutError:
-            return [
-                self.answers[i].result()
-                if self.answers[i].done()
-                else Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
-                for i in ids
-            ]
+            return [await self.answers[row_id].wait() for row_id in ids]
+        with trio.move_on_after(budget):
+            return [await self.answers[row_id].wait() for row_id in ids]
+        return [
+            self.answers[i].result
+            if self.answers[i].given.is_set()
+            else Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
+            for i in ids
+        ]
 
     def answer(self, row_id: str, result: PublishResult | None = None) -> None:
-        self.answers[row_id].set_result(result or Acked())
+        self.answers[row_id].result = result or Acked()
+        self.answers[row_id].given.set()
 
 
 class Transaction:

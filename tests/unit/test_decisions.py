@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import random
@@ -445,19 +444,15 @@ def test_a_publish_the_server_denies_settles_at_once_as_the_brokers():
     assert denied_subject('nats: Permissions Violation for Publish to "a.b"') == "a.b"
     assert denied_subject('nats: permissions violation for subscription to "_INBOX.x.*"') is None
     assert denied_subject("nats: authorization violation") is None
-    loop = asyncio.new_event_loop()
-    try:
-        inbox, wave = AckInbox("_INBOX.r."), Wave(3, loop)
-        tokens = [inbox.expect(wave, i, s) for i, s in enumerate(["a", "denied", "denied"])]
-        inbox.deny("denied")
-        assert wave.results == [None, PERMISSION_DENIED, PERMISSION_DENIED]
-        assert not wave.done.done()
-        inbox.deny("denied")  # a second -ERR for the same subject: nothing left to settle
-        assert wave.pending == 1
-        assert tokens[0].startswith("_INBOX.r.")
-        assert PERMISSION_DENIED.reason.broker_fault
-    finally:
-        loop.close()
+    inbox, wave = AckInbox("_INBOX.r."), Wave(3)
+    tokens = [inbox.expect(wave, i, s) for i, s in enumerate(["a", "denied", "denied"])]
+    inbox.deny("denied")
+    assert wave.results == [None, PERMISSION_DENIED, PERMISSION_DENIED]
+    assert not wave.done.is_set()
+    inbox.deny("denied")  # a second -ERR for the same subject: nothing left to settle
+    assert wave.pending == 1
+    assert tokens[0].startswith("_INBOX.r.")
+    assert PERMISSION_DENIED.reason.broker_fault
 
 
 def test_a_warning_repeated_every_half_second_is_logged_once_a_minute(caplog):
