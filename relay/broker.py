@@ -352,14 +352,16 @@ class Broker:
             )
             for index, message in enumerate(messages)
         ]
-        if not queue_frames(nc, frames):
-            for index in range(len(messages)):
-                wave.settle(index, Failed(FailureReason.DISCONNECTED, "not connected to NATS"))
-        send_queued(nc)
-        if wave.pending:
-            with trio.move_on_at(deadline):
-                await wave.done.wait()
-        acks.forget(wave)
+        try:
+            if not queue_frames(nc, frames):
+                for index in range(len(messages)):
+                    wave.settle(index, Failed(FailureReason.DISCONNECTED, "not connected to NATS"))
+            send_queued(nc)
+            if wave.pending:
+                with trio.move_on_at(deadline):
+                    await wave.done.wait()
+        finally:
+            acks.forget(wave)  # also when the batch is cancelled: no ack is waited for
         if wave.pending:
             missing = self._unanswered()
             results = [missing if result is None else result for result in wave.results]
