@@ -169,8 +169,8 @@ class BrokerLink(Protocol):
 
 class Scheduler:
     """Decides when batches run. ``run_batch`` runs one batch (claim, publish, mark,
-    commit: :class:`relay.batch.Batch`) and may be called
-    again before the previous call returns, up to BATCHES_IN_FLIGHT at once."""
+    commit: :class:`relay.batch.Batch`) and may be called again before the previous
+    call returns, up to BATCHES_IN_FLIGHT at once."""
 
     def __init__(
         self,
