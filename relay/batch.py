@@ -62,6 +62,10 @@ class BatchOutcome:
     broker_outage: bool = False
     # Its claim walked the claim index from the first entry (relay/claimstart.py).
     from_first_entry: bool = False
+    # Its claim found live rows beyond where its walks ended, for the next claim.
+    found_beyond: bool = False
+    # Its claim's walks went past their reach, to the end (relay/claimstart.py).
+    past_reach: bool = False
 
 
 def published_rows(
@@ -229,7 +233,11 @@ class Batch:
                     claim = await tx.claim(config.batch_size, config.max_attempts, ours)
                     if not claim.rows:
                         await tx.commit()
-                        return BatchOutcome(from_first_entry=claim.from_first_entry)
+                        return BatchOutcome(
+                            from_first_entry=claim.from_first_entry,
+                            found_beyond=claim.found_beyond,
+                            past_reach=claim.past_reach,
+                        )
                     flight = _Flight(claim.rows)
                     self._in_flight.append(flight)
                 rows = claim.rows
@@ -263,7 +271,14 @@ class Batch:
                     else None,
                 )
             return BatchOutcome(
-                rows, held, results, marks, marks.broker_outage, claim.from_first_entry
+                rows,
+                held,
+                results,
+                marks,
+                marks.broker_outage,
+                claim.from_first_entry,
+                claim.found_beyond,
+                claim.past_reach,
             )
         finally:
             # Out of flight only once its transaction is over: until then a later

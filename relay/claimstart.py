@@ -23,7 +23,7 @@ the claim walks from the first entry, as every claim did before.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from relay.writers import NO_POLL, UNKNOWN, WriterPoll
 
@@ -32,6 +32,15 @@ from relay.writers import NO_POLL, UNKNOWN, WriterPoll
 # behind the bound. Long enough that a request's transaction is never late; short
 # enough that the walk back costs little.
 LATE_INSERT_SECONDS = 1.0
+
+# On a partitioned table the walks end this far (and the late-insert slack) past
+# the claim statement's start, unless a row flagged late lies beyond (see
+# walk_ceiling in sql/queries.sql): how long a claim's snapshot may come after its
+# statement began, behind a lock, and still see a row inserted meanwhile on time.
+CLAIM_REACH_MARGIN_SECONDS = 60.0
+# How often a claim on a partitioned table looks for flagged rows beyond the walks'
+# bound (a look opens the partitions ahead once): the longest such a row waits.
+LOOK_BEYOND_EVERY = 1.0
 
 MIN_SEQ = -(2**63)
 MAX_SEQ = 2**63 - 1
@@ -50,6 +59,12 @@ class StartKey:
     locks_at: str = UNKNOWN
     writer_xids: str = "{}"
     writer_since: str = "{}"
+    # Where the walks end on a partitioned table, beyond the claim's reach ('infinity':
+    # nowhere; '-infinity': at the reach), and whether the claim looks for flagged
+    # rows beyond the reach ('-infinity') or not ('infinity'). Not part of where the
+    # walks start, so not of a key's identity.
+    ceiling: str = field(default="infinity", compare=False)
+    beyond_from: str = field(default="infinity", compare=False)
 
 
 # Every walk from the index's first entry: the claim as it was before start keys.
@@ -71,6 +86,8 @@ class ClaimSummary:
     finished_writers: frozenset[int] = frozenset()  # xids its snapshot saw finished
     from_first_entry: bool = False  # its walks started at the first entry
     bound_at: str = UNKNOWN  # the bound it walked from (less the late-insert slack)
+    # A live flagged row lies beyond the walks' reach; None: not looked for.
+    rows_beyond: bool | None = None
 
 
 # Earlier claims kept for the bound. While a transaction that has written holds the
@@ -124,6 +141,14 @@ class ClaimStart:
         self._finished: dict[int, None] = {}
         self.walked_from_first_entry = True
         self.walked_bound = UNKNOWN
+        # The last look for flagged rows beyond the walks' reach found some: the walks
+        # go to the end until a look finds none. When the last look was sent (the
+        # caller's clock, seconds).
+        self._beyond = False
+        self._looked_at = float("-inf")
+        # The last claim's look found rows beyond the reach that its walks did not
+        # take: the next claim will (claim again now rather than sleep).
+        self.found_beyond = False
 
     def offer(self, poll: WriterPoll) -> None:
         """A poll of the table's writers has finished."""
@@ -144,15 +169,29 @@ class ClaimStart:
             writer_since=array_literal([w.since for w in writers]),
         )
 
-    def sending(self) -> StartKey:
-        """The key for a claim being sent now."""
+    def sending(self, now: float = 0.0) -> StartKey:
+        """The key for a claim being sent at ``now`` (seconds, any steady clock)."""
         self._sent_poll = self._latest_poll
-        return self.key()
+        key = self.key()
+        if key == FROM_FIRST_ENTRY:
+            return key  # to the end, whatever the reach
+        look = now - self._looked_at >= LOOK_BEYOND_EVERY
+        if look:
+            self._looked_at = now
+        return replace(
+            key,
+            ceiling="infinity" if self._beyond else "-infinity",
+            beyond_from="-infinity" if look else "infinity",
+        )
 
     def observe(self, summary: ClaimSummary, used: StartKey) -> None:
         """Take the summary of a claim that ran from ``used``."""
         self.walked_from_first_entry = summary.from_first_entry
         self.walked_bound = summary.bound_at
+        self.found_beyond = False
+        if used.beyond_from == "-infinity" and summary.rows_beyond is not None:
+            self.found_beyond = summary.rows_beyond and used.ceiling != "infinity"
+            self._beyond = summary.rows_beyond
         # The poll that finished before this claim was sent bounds what the next
         # claim may see that this one did not.
         self._poll = self._sent_poll

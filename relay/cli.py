@@ -430,7 +430,8 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         type=_period,
         metavar="PERIOD",
         help="with --soak: also the soak on a table partitioned by PERIOD (retention drops "
-        "partitions), after the plain table's, and the two compared (WAL, size, p99)",
+        "partitions), after the plain table's, and the two compared (WAL, size, p99); with "
+        "steady: this build also on a table partitioned by PERIOD, 3 days of them ahead",
     )
     bench.add_argument(
         "--replicas",
@@ -529,7 +530,7 @@ def _bench_steady(args: argparse.Namespace) -> int:
     from relay_tools.bench import steady  # noqa: PLC0415
 
     plan = steady.SteadyPlan.quick() if args.quick else steady.SteadyPlan()
-    for name in ("rates", "seconds", "window", "compare", "replicas"):
+    for name in ("rates", "seconds", "window", "compare", "replicas", "partitions"):
         if getattr(args, name) is not None:
             plan = dataclasses.replace(plan, **{name: getattr(args, name)})
     if args.producer_ratio is not None:

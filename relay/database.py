@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Set
 from contextlib import asynccontextmanager
@@ -80,6 +81,10 @@ POOLED_CONNECTION: dict[str, Any] = {"autocommit": True, "prepare_threshold": No
 # message: a driver-side transaction would cost a round trip for its BEGIN before
 # the claim could be sent, a third of a light-load claim (docs/performance.md).
 CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim")
+# A partitioned table's claim (its walks bounded: walk_ceiling in sql/queries.sql),
+# under a name of its own: a table migrated to partitions under a running relay
+# finds the plain one prepared on its connections.
+PARTITIONED_CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim_partitioned")
 
 # How long giving a connection back may take (its rollback) before the connection
 # is taken for dead and closed.
@@ -219,6 +224,11 @@ class Claim:
     rows: list[OutboxRow]
     blockers: dict[str, OrderKey]
     from_first_entry: bool = False  # its walks started at the claim index's first entry
+    # Live flagged rows lie beyond where its walks ended: the next claim takes them.
+    found_beyond: bool = False
+    # A partitioned table's claim whose walks went past their reach, to the end, for
+    # rows from the future.
+    past_reach: bool = False
 
 
 @dataclass(frozen=True)
@@ -241,14 +251,14 @@ class Transaction:
     :data:`POOLED_CONNECTION` makes them: the claim opens the transaction). trio side:
     its statements are waited on by trio (:class:`relay.pgtrio.TrioConnection`).
 
-    ``prepared`` holds the connections that have the claim prepared; ``start``
+    ``prepared`` holds the claims each connection has prepared; ``start``
     carries where the claim's walks start from one claim to the next."""
 
     def __init__(
         self,
         conn: psycopg.AsyncConnection[Any],
         names: Names,
-        prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]],
+        prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[bool]],
         start: ClaimStart,
         local_settings: dict[str, str] | None = None,
         *,
@@ -272,34 +282,44 @@ class Transaction:
         """The next batch, and the rows outside it that hold some of it back (other
         than ``ours``, this relay's own batches in flight)."""
         conn = self._conn
+        partitioned = self._partitioned
         async with translated("claim"):
             cursor = psycopg.AsyncClientCursor(conn)
-            start = self._start.sending()
+            start = self._start.sending(time.monotonic())
             if self._local_settings is not None:
                 await cursor.execute(
                     claim_unprepared(
-                        self._names, batch_size, max_attempts, start, self._local_settings
+                        self._names,
+                        batch_size,
+                        max_attempts,
+                        start,
+                        self._local_settings,
+                        partitioned=partitioned,
                     )
                 )
                 cursor.nextset()  # past the BEGIN's result
             else:
-                if conn not in self._prepared:
-                    await conn.execute(claim_preparation(self._names, CLAIM_STATEMENT))
-                    self._prepared.add(conn)
-                execution = claim_execution(CLAIM_STATEMENT, batch_size, max_attempts, start)
+                statement = PARTITIONED_CLAIM_STATEMENT if partitioned else CLAIM_STATEMENT
+                prepared = self._prepared.setdefault(conn, set())
+                if partitioned not in prepared:
+                    await conn.execute(
+                        claim_preparation(self._names, statement, partitioned=partitioned)
+                    )
+                    prepared.add(partitioned)
+                execution = claim_execution(statement, batch_size, max_attempts, start)
                 try:
                     await cursor.execute(execution)
                 except psycopg.errors.InvalidSqlStatementName:
                     # Deallocated behind our back (DISCARD ALL by a proxy, say): this
                     # batch fails and is retried, and the next claim prepares it again.
-                    self._prepared.discard(conn)
+                    self._prepared.pop(conn, None)
                     raise
             cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
             found = await cursor.fetchall()
         # The last row is the claim's summary (blocker null): where the next starts.
         *found, summary = found
         (_, start_at, statement_at, xmin, xid, guard_off, finished, _, start_seq, _,
-         from_first, bound_at, _) = summary  # fmt: skip
+         from_first, bound_at, beyond) = summary  # fmt: skip
         walked = ClaimSummary(
             start_at,
             start_seq,
@@ -310,6 +330,7 @@ class Transaction:
             frozenset(int(x) for x in finished.strip("{}").split(",") if x),
             from_first == "true",
             bound_at,
+            None if beyond is None else beyond == "true",
         )
         self._start.observe(walked, start)
         why = self._start.take_rewind_reason()
@@ -326,7 +347,13 @@ class Transaction:
         blockers = earliest_blockers(
             ((row[4], (row[7], row[8], row[1])) for row in found if row[0]), ours
         )
-        return Claim(rows, blockers, walked.from_first_entry)
+        return Claim(
+            rows,
+            blockers,
+            walked.from_first_entry,
+            self._start.found_beyond,
+            partitioned and start.ceiling == "infinity" and not walked.from_first_entry,
+        )
 
     async def mark_and_commit(
         self, marks: Marks, crash_before_commit: Callable[[], None] | None = None
@@ -398,7 +425,11 @@ class Database:
         # The batches' connection between batches (see KEEP_OUT_OF_POOL), and when it
         # left the pool (trio's clock).
         self._kept: tuple[TrioConnection, float] | None = None
-        self._claim_prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        # The claims prepared on each connection: the plain table's (False), a
+        # partitioned table's (True).
+        self._claim_prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[bool]] = (
+            weakref.WeakKeyDictionary()
+        )
         # None until the LISTEN self-check tells (relay/poolers.py); meanwhile the
         # relay behaves as behind a transaction pooler, which is right either way.
         self._pooled_from_config = pooled_from_config(config)

@@ -159,6 +159,7 @@ class Metrics:
     table_bytes: Gauge
     claims_from_first_entry: Counter
     claims_bounded: Gauge
+    claims_past_reach: Gauge
     table_writers: Gauge
     horizon_holder: Gauge
     database_errors: Counter

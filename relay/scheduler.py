@@ -137,9 +137,11 @@ class PassResult:
     broker_outage: bool = False
     # How the broker failed an outage batch: "no_responders x 12, timeout x 3".
     broker_problem: str = ""
+    # The claim found rows beyond where its walks ended (relay/claimstart.py).
+    found_beyond: bool = False
 
     def more_work_likely(self, batch_size: int) -> bool:
-        return self.claimed == batch_size and self.settled > 0
+        return self.found_beyond or (self.claimed == batch_size and self.settled > 0)
 
 
 class SleepLock(Protocol):
@@ -412,6 +414,7 @@ class Scheduler:
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()
         self._metrics.claims_bounded.set(0 if outcome.from_first_entry else 1)
+        self._metrics.claims_past_reach.set(1 if outcome.past_reach else 0)
         if outcome.rows:
             self._record(outcome)
         acked = sum(1 for result in outcome.results.values() if isinstance(result, Acked))
@@ -422,6 +425,7 @@ class Scheduler:
             acked,
             outcome.broker_outage,
             failure_summary(outcome.results.values()) if outcome.broker_outage else "",
+            outcome.found_beyond,
         )
 
     def _record(self, outcome: BatchOutcome) -> None:

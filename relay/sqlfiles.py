@@ -17,7 +17,7 @@ from pathlib import Path
 
 from psycopg import sql
 
-from relay.claimstart import LATE_INSERT_SECONDS, StartKey
+from relay.claimstart import CLAIM_REACH_MARGIN_SECONDS, LATE_INSERT_SECONDS, StartKey
 from relay.config import Config
 from relay.errors import ConfigError
 
@@ -44,15 +44,22 @@ def read_sql(*parts: str) -> str:
 
 def parse_blocks(text: str) -> tuple[dict[str, str], dict[str, str]]:
     """``-- name: x`` starts query ``x`` and ``-- fragment: x`` a piece of SQL that
-    queries use as ``{x(alias)}``; each runs to the next block or the end."""
+    queries use as ``{x(alias)}``; each runs to the next block or the end. A
+    fragment's leading comment is left out: it would be sent at every use."""
     named: dict[str, str] = {}
     fragments: dict[str, str] = {}
     matches = list(_BLOCK.finditer(text))
     for match, following in zip(matches, [*matches[1:], None], strict=True):
         end = following.start() if following else len(text)
         body = text[match.end() : end].strip().rstrip(";")
-        (named if match.group(1) == "name" else fragments)[match.group(2)] = body
+        if match.group(1) == "name":
+            named[match.group(2)] = body
+        else:
+            fragments[match.group(2)] = _LEADING_COMMENT.sub("", body)
     return named, fragments
+
+
+_LEADING_COMMENT = re.compile(r"\A(?:[ \t]*--[^\n]*\n)+")
 
 
 def parse_named_blocks(text: str) -> dict[str, str]:
@@ -233,6 +240,8 @@ class Names:
             late_idx=self.late_idx,
             late_idx_qualified=self.late_idx_qualified,
             late_insert=LATE_INSERT,
+            late_trigger_comment=LATE_TRIGGER_COMMENT,
+            claim_reach=CLAIM_REACH,
             unpublished_idx=self.unpublished_idx,
             claim_idx=self.claim_idx,
             retry_idx=self.retry_idx,
@@ -326,31 +335,66 @@ def mark_statement(names: Names, name: str, partitioned: bool) -> sql.Composed:
     return composed
 
 
-def query(names: Names, name: str, **slots: sql.Composable) -> sql.Composed:
+def query(
+    names: Names, name: str, *, partitioned: bool = False, **slots: sql.Composable
+) -> sql.Composed:
     """Query ``name``; ``slots`` fill its ``{slot}`` parameters other than the
     identifiers (the claim's, :data:`CLAIM_PARAMETERS`, and the marks' created_span,
     :func:`mark_statement`), and each
-    ``{fragment(alias)}`` is that fragment, about the table's row ``alias``."""
+    ``{fragment(alias)}`` is that fragment, about the table's row ``alias`` (also
+    inside a fragment). The fragments only a partitioned table's claim needs
+    (:data:`PARTITIONED_ONLY`) are their plain text unless ``partitioned``."""
+    key = f"{name} partitioned" if partitioned else name
     plain = not slots
-    if plain and (composed := names.composed.get(name)) is not None:
+    if plain and (composed := names.composed.get(key)) is not None:
         return composed
-    queries_, fragments = _queries_and_fragments()
+    queries_, _ = _queries_and_fragments()
     template = queries_[name]
-    for use in {m.group(0)[1:-1]: m for m in _FRAGMENT_USE.finditer(template)}.values():
-        fragment, alias = use.groups()
-        slots[use.group(0)[1:-1]] = names.compose(
-            fragments[fragment], row=sql.Identifier(alias), **slots
-        )
+    _compose_fragments(names, template, slots, partitioned)
     statement = names.compose(template, **slots)
     if plain:
-        names.composed[name] = statement
+        names.composed[key] = statement
     return statement
+
+
+# Fragments a plain table's claim goes without, and what stands in their place.
+PARTITIONED_ONLY = {"walk_ceiling": "", "rows_beyond": "null"}
+
+
+def _compose_fragments(
+    names: Names, text: str, slots: dict[str, sql.Composable], partitioned: bool
+) -> None:
+    """Put each fragment ``text`` uses into ``slots``, those it uses first."""
+    fragments = _queries_and_fragments()[1]
+    for use in {m.group(0)[1:-1]: m for m in _FRAGMENT_USE.finditer(text)}.values():
+        slot = use.group(0)[1:-1]
+        if slot in slots:
+            continue
+        fragment, alias = use.groups()
+        if not partitioned and fragment in PARTITIONED_ONLY:
+            slots[slot] = sql.SQL(PARTITIONED_ONLY[fragment])
+            continue
+        inner = dict(slots)
+        _compose_fragments(names, fragments[fragment], inner, partitioned)
+        slots[slot] = names.compose(fragments[fragment], row=sql.Identifier(alias), **inner)
 
 
 # How much later than its created_at a row may be inserted and not be flagged late
 # (relay/claimstart.py): in the trigger's test, and in the claim's walk back.
 # A constant, folded once: make_interval() was evaluated for every inserted row.
 LATE_INSERT = sql.SQL("interval {}").format(sql.Literal(f"{LATE_INSERT_SECONDS} seconds"))
+# The late-row trigger's comment, which says which of its versions is installed (a
+# reinstall makes an older one again).
+LATE_TRIGGER_COMMENT = sql.Literal(
+    "outbox-relay: flags rows inserted over the late-insert slack after or before their "
+    "created_at (2)"
+)
+# How far past the claim's start its walks reach on a partitioned table: the
+# late-insert slack, and a margin for a claim whose snapshot is taken long after
+# the statement began (behind a lock), which would see rows inserted meanwhile.
+CLAIM_REACH = sql.SQL("interval {}").format(
+    sql.Literal(f"{LATE_INSERT_SECONDS + CLAIM_REACH_MARGIN_SECONDS} seconds")
+)
 
 # The claim's parameters are slots in sql/queries.sql, not %(name)s: as they are,
 # bound parameters; when the relay prepares the claim, $1 to $8, typed in PREPARE.
@@ -363,6 +407,8 @@ _CLAIM_PARAMETER_TYPES = {
     "locks_at": "timestamptz",
     "writer_xids": "xid8[]",
     "writer_since": "timestamptz[]",
+    "ceiling": "timestamptz",
+    "beyond_from": "timestamptz",
 }
 CLAIM_PARAMETERS: dict[str, sql.Composable] = {
     name: sql.Placeholder(name) for name in _CLAIM_PARAMETER_TYPES
@@ -380,13 +426,18 @@ def claim_parameters(batch_size: int, max_attempts: int, start: StartKey) -> dic
         "locks_at": start.locks_at,
         "writer_xids": start.writer_xids,
         "writer_since": start.writer_since,
+        "ceiling": start.ceiling,
+        "beyond_from": start.beyond_from,
     }
 
 
-def claim_preparation(names: Names, statement: sql.Identifier) -> sql.Composed:
-    """``PREPARE statement (batch_size, max_attempts, start ...) AS`` the claim."""
+def claim_preparation(
+    names: Names, statement: sql.Identifier, *, partitioned: bool = False
+) -> sql.Composed:
+    """``PREPARE statement (batch_size, max_attempts, start ...) AS`` the claim (a
+    partitioned table's with ``partitioned``)."""
     positions = {name: sql.SQL(f"${i}") for i, name in enumerate(_CLAIM_PARAMETER_TYPES, 1)}
-    body = query(names, "claim", **positions)
+    body = query(names, "claim", partitioned=partitioned, **positions)
     types = sql.SQL(", ").join(sql.SQL(t) for t in _CLAIM_PARAMETER_TYPES.values())
     return sql.SQL("prepare {} ({}) as\n").format(statement, types) + body
 
@@ -414,7 +465,12 @@ def local_settings(settings: Mapping[str, str]) -> sql.Composed:
 
 
 def claim_with_values(
-    names: Names, batch_size: int, max_attempts: int, start: StartKey
+    names: Names,
+    batch_size: int,
+    max_attempts: int,
+    start: StartKey,
+    *,
+    partitioned: bool = False,
 ) -> sql.Composed:
     """The claim with its values in place of its parameters (typed as the prepared
     claim's are), to send as one statement among others."""
@@ -423,7 +479,7 @@ def claim_with_values(
         name: sql.SQL("({})::{}").format(sql.Literal(values[name]), sql.SQL(kind))
         for name, kind in _CLAIM_PARAMETER_TYPES.items()
     }
-    return query(names, "claim", **inline)
+    return query(names, "claim", partitioned=partitioned, **inline)
 
 
 def claim_unprepared(
@@ -432,10 +488,12 @@ def claim_unprepared(
     max_attempts: int,
     start: StartKey,
     settings: Mapping[str, str],
+    *,
+    partitioned: bool = False,
 ) -> sql.Composed:
     """For a transaction pooler, where a prepared statement lives on one server
     connection and the next transaction may get another: open the transaction, set
     its settings, and run the claim with its values in place, in one message."""
     return sql.SQL("begin; {}; ").format(local_settings(settings)) + claim_with_values(
-        names, batch_size, max_attempts, start
+        names, batch_size, max_attempts, start, partitioned=partitioned
     )

@@ -23,6 +23,7 @@ and not exists (
          and b.relay_retry_at > now()
          and (b.created_at, b.relay_seq) < ({row}.created_at, {row}.relay_seq)
          and b.created_at <= {row}.created_at
+         {walk_ceiling(b)}
       offset 0)
 
 -- fragment: dead
@@ -37,6 +38,29 @@ and not exists (
 -- partition (docs/partitions.md). A plain table's marks go without: it would only
 -- add to their planning.
 and {row}.created_at between to_timestamp(%(since)s) and to_timestamp(%(until)s)
+
+-- fragment: walk_ceiling
+-- On a partitioned table, where a claim's walks end ({row} is its alias): a bound
+-- Postgres can prune by when the claim starts (a stable expression and a parameter),
+-- so that the partitions kept ahead, empty, are not opened by every walk of every
+-- claim (docs/partitions.md). A row is inserted within the claim's reach of now less
+-- its margin, or the late-row trigger flagged it (sql/install/004_late_rows.sql);
+-- the claim reports flagged rows beyond the bound (rows_beyond), and the relay then
+-- sends the ceiling 'infinity' until none is left. The bound only ever delays a
+-- row: the walks cut the claim order at one point, and rows after it wait. A plain
+-- table's claim goes without.
+and {row}.created_at <= greatest(statement_timestamp() + {claim_reach}, {ceiling})
+
+-- fragment: rows_beyond
+-- Whether a live flagged row lies beyond the walks' bound when the relay sends no
+-- ceiling of its own ({row} is its alias), looked for when the parameter beyond_from
+-- is '-infinity': with 'infinity' every partition is pruned and nothing is read. On a
+-- plain table, null.
+exists (select 1
+          from {table} {row}
+         where {row}.relay_late and coalesce({row}.published_at, {row}.relay_dead_at) is null
+           and {row}.attempts < {max_attempts}
+           and {row}.created_at > greatest(statement_timestamp() + {claim_reach}, {beyond_from}))
 
 -- fragment: exact_time
 -- A timestamptz ({row}, a column name) as text that Postgres reads back exactly
@@ -140,6 +164,7 @@ walk_from as materialized (
           (select l.created_at, l.relay_seq
              from {table} l
             where l.relay_late and coalesce(l.published_at, l.relay_dead_at) is null
+              {walk_ceiling(l)}
             order by l.created_at, l.relay_seq
             limit 1)) k (created_at, relay_seq)
    order by k.created_at, k.relay_seq
@@ -152,6 +177,7 @@ start as materialized (
      and (s.created_at, s.relay_seq)
          >= ((select created_at from walk_from), (select relay_seq from walk_from))
      and s.created_at >= (select created_at from walk_from)
+     {walk_ceiling(s)}
    order by s.created_at, s.relay_seq
    limit 1
 ),
@@ -165,6 +191,7 @@ horizon as materialized (
      and (h.created_at, h.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
      and h.created_at >= (select created_at from start)
+     {walk_ceiling(h)}
    order by h.created_at, h.relay_seq
    offset 2 * {batch_size} - 1
    limit 1
@@ -178,6 +205,7 @@ claimed as materialized (
      and (o.created_at, o.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
      and o.created_at >= (select created_at from start)
+     {walk_ceiling(o)}
      -- The horizon as two parameters: an index condition that ends the walk there.
      -- The filter is the horizon's again: this scan locks the rows, and only its
      -- conditions are checked again on a row another relay changed meanwhile.
@@ -206,6 +234,7 @@ ahead as (
          >= ((select created_at from start), (select relay_seq from start))
      and e.created_at >= (select created_at from start)
      and e.created_at < (select created_at from last)
+     {walk_ceiling(e)}
   union all
   select e.id, e.subject, e.created_at, e.relay_seq
     from {table} e
@@ -216,6 +245,7 @@ ahead as (
      and e.created_at >= (select created_at from start)
      and e.created_at = (select created_at from last)
      and e.relay_seq < (select relay_seq from last)
+     {walk_ceiling(e)}
 )
 select false as blocker, id::text, event_type, source, subject, time, data,
        extract(epoch from created_at)::float8 as created_at,
@@ -237,7 +267,8 @@ union all
 -- xid) were taken before it is read: the start (its created_at as exact text; null
 -- when no live row was found), this statement's time, the snapshot's xmin, this
 -- transaction's xid (null when it claimed nothing), whether the guard was off, the
--- writers it saw finished, whether it walked from the first entry, and its bound.
+-- writers it saw finished, whether it walked from the first entry, its bound, and
+-- whether a flagged row lies beyond the walks' bound (null when not looked for).
 select null, (select {exact_time(created_at)} from start),
        (select {exact_time(t)} from (select statement_timestamp()) n (t)),
        pg_snapshot_xmin(pg_current_snapshot())::text,
@@ -245,7 +276,7 @@ select null, (select {exact_time(created_at)} from start),
        (select coalesce(array_agg(xid), '{{}}') from finished_writers)::text, null,
        (select relay_seq from start), null,
        ((select created_at from walk_from) = '-infinity')::text,
-       (select {exact_time(since)} from bound), null;
+       (select {exact_time(since)} from bound), ({rows_beyond(f)})::text;
 
 -- name: mark_published
 -- The ids come as one uuid[] literal in a string: the relay holds them as text, and

@@ -21,7 +21,7 @@ from psycopg import sql
 from relay import database
 from relay.claimstart import MIN_SEQ, StartKey
 from relay.config import Config
-from relay.database import CLAIM_STATEMENT, partition_creation
+from relay.database import CLAIM_STATEMENT, PARTITIONED_CLAIM_STATEMENT, partition_creation
 from relay.partitions import NewPartition, partition_name
 from relay.sqlfiles import (
     Names,
@@ -32,7 +32,7 @@ from relay.sqlfiles import (
 )
 from relay_tools.bench.harness import with_database
 
-AHEAD = 2  # future partitions, as --partitions-ahead keeps them
+AHEAD = 2  # future partitions, as --partitions-ahead keeps them (--ahead)
 
 
 def _fill(url: str, names: Names, past: int, rows: int) -> None:
@@ -59,8 +59,9 @@ def _fill(url: str, names: Names, past: int, rows: int) -> None:
         conn.execute(sql.SQL("analyze {}").format(table))
 
 
-def _install(url: str, names: Names, partitions: int) -> None:
-    """The table, plain (``partitions`` 0) or partitioned by the minute."""
+def _install(url: str, names: Names, partitions: int, ahead: int) -> None:
+    """The table, plain (``partitions`` 0) or partitioned by the minute, ``ahead`` of
+    them past this one."""
     conninfo = database.connection_string(url)
     if partitions:
         with psycopg.connect(url, autocommit=True) as conn:
@@ -68,7 +69,7 @@ def _install(url: str, names: Names, partitions: int) -> None:
     database.install(conninfo, names)
     minute = int(time.time() // 60) * 60
     with psycopg.connect(url) as conn:
-        for k in range(-(partitions - AHEAD - 1), AHEAD + 1) if partitions else ():
+        for k in range(-(partitions - ahead - 1), ahead + 1) if partitions else ():
             start = float(minute + 60 * k)
             new = NewPartition(partition_name(names.base, start), start, start + 60)
             for statement in partition_creation(names, new):
@@ -76,15 +77,17 @@ def _install(url: str, names: Names, partitions: int) -> None:
 
 
 def _time_statements(url: str, names: Names, count: int, partitioned: bool) -> tuple[float, float]:
-    """Seconds per claim and per one-row mark (as the relay marks that table)."""
+    """Seconds per claim and per one-row mark (as the relay claims and marks that
+    table: a partitioned table's claim with its walks' reach, not looking beyond)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(time.time() - 5))
-    start = StartKey(stamp, MIN_SEQ, stamp)
+    start = StartKey(stamp, MIN_SEQ, stamp, ceiling="-infinity", beyond_from="infinity")
+    statement = PARTITIONED_CLAIM_STATEMENT if partitioned else CLAIM_STATEMENT
     config = Config(database_url=url, table=(*names.schema, names.base))
     with psycopg.connect(url, autocommit=True) as conn:
         for name, value in database.Database(config).session_settings.items():
             conn.execute("select set_config(%s, %s, false)", (name, value))
-        conn.execute(claim_preparation(names, CLAIM_STATEMENT))
-        claim = claim_execution(CLAIM_STATEMENT, 500, 20, start)
+        conn.execute(claim_preparation(names, statement, partitioned=partitioned))
+        claim = claim_execution(statement, 500, 20, start)
 
         def one_claim() -> None:
             cursor = conn.execute(claim)
@@ -115,7 +118,7 @@ def _time_statements(url: str, names: Names, count: int, partitioned: bool) -> t
     return claim_seconds, mark_seconds
 
 
-def measure(server_url: str, counts: list[int], rows: int, count: int) -> None:
+def measure(server_url: str, counts: list[int], rows: int, count: int, ahead: int) -> None:
     name = f"outbox_relay_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
@@ -131,8 +134,8 @@ def measure(server_url: str, counts: list[int], rows: int, count: int) -> None:
                     conn.execute(sql.SQL("drop schema if exists {} cascade").format(
                         sql.Identifier(schema)))  # fmt: skip
                     conn.execute(sql.SQL("create schema {}").format(sql.Identifier(schema)))
-                _install(url, names, n)
-                _fill(url, names, max(partitions - AHEAD - 1, 1), rows)
+                _install(url, names, n, ahead)
+                _fill(url, names, max(partitions - ahead - 1, 1), rows)
                 figures.append(_time_statements(url, names, count, n > 0))
             (claim_plain, mark_plain), (claim_parts, mark_parts) = figures
             print(
@@ -153,9 +156,12 @@ def main() -> None:
     parser.add_argument("--partitions", default="4,13,33,63", help="comma-separated counts")
     parser.add_argument("--rows", type=int, default=1000, help="spent rows a past partition")
     parser.add_argument("--count", type=int, default=300, help="statements timed each way")
+    parser.add_argument(
+        "--ahead", type=int, default=AHEAD, help="of the partitions, how many past this one"
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.partitions.split(",")]
-    measure(args.database_url, counts, args.rows, args.count)
+    measure(args.database_url, counts, args.rows, args.count, args.ahead)
 
 
 if __name__ == "__main__":

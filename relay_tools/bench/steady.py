@@ -45,6 +45,7 @@ import psycopg
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from relay.config import Config
 from relay_tools.bench import producer_cost
 from relay_tools.bench.harness import (
     RelayProcess,
@@ -91,6 +92,10 @@ class SteadyPlan:
     subjects: int = 200
     window: float = 0.0  # seconds; 0: no windows
     compare: str | None = None  # a checkout whose relay runs beside this build
+    # Seconds a partition: this build also on a table partitioned so, its partitions
+    # kept ``partitions_ahead`` seconds past now (the relay's default: 3 days).
+    partitions: float | None = None
+    partitions_ahead: float = Config.partitions_ahead
     producer_repetitions: int = 0  # also the producers' ratio (producer_cost), this often
 
     @classmethod
@@ -102,6 +107,7 @@ class SteadyPlan:
 class SteadyRow:
     build: str
     rate: float
+    layout: str
     replicas: int
     committed_per_s: float
     cpu_percent: float
@@ -190,19 +196,45 @@ async def _counts(
 
 
 class SteadyTarget(Target):
-    """A bench database installed by this build, or by the relay in ``source``."""
+    """A bench database installed by this build, or by the relay in ``source``;
+    with ``partitions`` (seconds a partition, seconds of them ahead), its table
+    partitioned so by that build's `install --partitions`."""
 
-    def __init__(self, server_url: str, nats_url: str, source: str | None) -> None:
+    def __init__(
+        self,
+        server_url: str,
+        nats_url: str,
+        source: str | None,
+        partitions: tuple[float, float] | None = None,
+    ) -> None:
         super().__init__(server_url, nats_url)
         self.source = source
+        self.partitions = partitions
+
+    @property
+    def build(self) -> str:
+        return THIS_BUILD if self.source is None else self.source
+
+    @property
+    def layout(self) -> str:
+        return "plain" if self.partitions is None else f"partitioned by {self.partitions[0]:g} s"
 
     async def install(self) -> None:
         if self.source is None:
-            await super().install()
+            if self.partitions is None:
+                await super().install()
+            else:
+                await self.install_partitioned(*self.partitions)
             return
+        partitions = (
+            []
+            if self.partitions is None
+            else ["--partitions", f"{self.partitions[0]:g}s",
+                  "--partitions-ahead", f"{self.partitions[1]:g}s"]
+        )  # fmt: skip
         await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "relay", "install"],
+            [sys.executable, "-m", "relay", "install", *partitions],
             cwd=self.source,
             env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": self.url},
             check=True,
@@ -217,7 +249,10 @@ class SteadyTarget(Target):
             await conn.execute("create extension if not exists pg_stat_statements")
 
     def relay(self) -> RelayProcess:
-        return RelayProcess(self.url, self.nats_url, source=self.source)
+        if self.partitions is None:
+            return RelayProcess(self.url, self.nats_url, source=self.source)
+        ahead = f"{self.partitions[1]:g}s"
+        return RelayProcess(self.url, self.nats_url, source=self.source, partitions_ahead=ahead)
 
 
 async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> SteadyRow:
@@ -276,7 +311,8 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
     transactions = counts_after[0] - counts_before[0] - inserts
     statements = counts_after[1] - inserts
     return SteadyRow(
-        build=THIS_BUILD if target.source is None else target.source,
+        build=target.build,
+        layout=target.layout,
         rate=rate,
         replicas=plan.replicas,
         committed_per_s=events / elapsed,
@@ -318,7 +354,14 @@ async def _targets(
         if nats_url is None:
             nats_url = servers.enter_context(throwaway_nats()).url
         sources: list[str | None] = [None] if plan.compare is None else [plan.compare, None]
-        targets = [SteadyTarget(database_url, nats_url, source) for source in sources]
+        layouts = (
+            [None] if plan.partitions is None else [None, (plan.partitions, plan.partitions_ahead)]
+        )
+        targets = [
+            SteadyTarget(database_url, nats_url, source, layout)
+            for layout in layouts
+            for source in sources
+        ]
         async with await psycopg.AsyncConnection.connect(
             with_database(database_url, "postgres"), autocommit=True
         ) as conn:
@@ -349,16 +392,16 @@ async def steady(
 
 
 HEADER = (
-    "| build | offered/s | committed/s | relays | relay CPU | CPU per event "
+    "| build | table | offered/s | committed/s | relays | relay CPU | CPU per event "
     "| DB transactions per event | statements per event | p50 | p99 | lost |\n"
-    "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
 )
 
 
 def render_row(row: SteadyRow, *, show_statements: bool = False) -> str:
     line = (
-        f"| {row.build} | {row.rate:,.0f} | {row.committed_per_s:,.0f} | {row.replicas} "
-        f"| {row.cpu_percent:.1f}% | {row.us_per_event:,.0f} µs "
+        f"| {row.build} | {row.layout} | {row.rate:,.0f} | {row.committed_per_s:,.0f} "
+        f"| {row.replicas} | {row.cpu_percent:.1f}% | {row.us_per_event:,.0f} µs "
         f"| {row.transactions_per_event:.2f} | {row.statements_per_event:.2f} "
         f"| {row.p50_ms:.2f} ms | {row.p99_ms:.2f} ms | {row.lost} |"
     )
@@ -371,15 +414,28 @@ def render_row(row: SteadyRow, *, show_statements: bool = False) -> str:
 
 
 def render(rows: Sequence[SteadyRow]) -> str:
+    """The table, then the ratios: this build against the other, table by table;
+    each build's partitioned table against its plain one."""
     lines = [HEADER, *(render_row(row) for row in rows)]
-    by_rate: dict[float, dict[str, SteadyRow]] = {}
+    by_rate: dict[float, dict[tuple[str, str], SteadyRow]] = {}
     for row in rows:
-        by_rate.setdefault(row.rate, {})[row.build] = row
-    for rate, builds in by_rate.items():
-        if THIS_BUILD in builds and len(builds) == 2:
-            [other] = [b for b in builds if b != THIS_BUILD]
-            ratio = builds[THIS_BUILD].us_per_event / builds[other].us_per_event
-            lines.append(f"at {rate:,.0f}/s: CPU per event {ratio:.2f} of {other}'s")
+        by_rate.setdefault(row.rate, {})[row.build, row.layout] = row
+    for rate, found in by_rate.items():
+        for (build, layout), row in found.items():
+            if build != THIS_BUILD:
+                mine = found.get((THIS_BUILD, layout))
+                if mine is not None:
+                    lines.append(
+                        f"at {rate:,.0f}/s, {layout}: CPU per event "
+                        f"{mine.us_per_event / row.us_per_event:.2f} of {build}'s"
+                    )
+            plain = found.get((build, "plain"))
+            if layout != "plain" and plain is not None:
+                cpu, p99 = row.us_per_event / plain.us_per_event, row.p99_ms / plain.p99_ms
+                lines.append(
+                    f"at {rate:,.0f}/s, {build}, {layout}: CPU per event {cpu:.2f}, "
+                    f"p99 {p99:.2f} of the plain table's"
+                )
     return "\n".join(lines)
 
 

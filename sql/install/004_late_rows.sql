@@ -12,6 +12,10 @@
 --
 -- * inserted later than that after its created_at (a transaction that read for a
 --   while before it wrote, or a created_at given explicitly);
+-- * inserted more than that before its created_at (a created_at given explicitly,
+--   from a clock ahead of the database's): on a partitioned table the claims' walks
+--   end a little past now, and find such rows by their flag (walk_ceiling in
+--   sql/queries.sql);
 -- * put back in the claim index by an UPDATE (published_at or relay_dead_at set
 --   back to null by hand, as an older `requeue` did), or moved in it (created_at
 --   or relay_seq changed on a live row).
@@ -38,7 +42,8 @@ begin
   if new.relay_seq is null then
     new.relay_seq := nextval({seq_name}::regclass);
   end if;
-  if tg_op = 'UPDATE' or new.created_at < clock_timestamp() - {late_insert} then
+  if tg_op = 'UPDATE' or new.created_at < clock_timestamp() - {late_insert}
+     or new.created_at > clock_timestamp() + {late_insert} then
     new.relay_late := true;
   end if;
   return new;
@@ -54,6 +59,16 @@ begin
     drop trigger {old_late_trigger} on {table};
   end if;
 
+  -- Installs before this one did not flag rows from the future: their trigger, which
+  -- has no comment, is made again (in this transaction: no insert goes without one).
+  -- The comment is read from the catalog: pg_get_triggerdef would lock the table.
+  if exists (select 1 from pg_trigger
+              where tgrelid = {table_name}::regclass and tgname = {late_trigger_name}
+                and not tgisinternal
+                and obj_description(oid, 'pg_trigger') is distinct from {late_trigger_comment}) then
+    drop trigger {late_trigger} on {table};
+  end if;
+
   if not exists (select 1 from pg_trigger
                   where tgrelid = {table_name}::regclass and tgname = {late_trigger_name}
                     and not tgisinternal) then
@@ -62,8 +77,10 @@ begin
       for each row
       when (new.relay_seq is null
             or (pg_current_xact_id() is not null
-                and new.created_at < clock_timestamp() - {late_insert}))
+                and new.created_at < clock_timestamp() - {late_insert})
+            or new.created_at > clock_timestamp() + {late_insert})
       execute function {late_function}();
+    comment on trigger {late_trigger} on {table} is {late_trigger_comment};
   end if;
 
   if not exists (select 1 from pg_trigger

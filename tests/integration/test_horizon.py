@@ -56,7 +56,9 @@ class Claims:
         self.start = ClaimStart()
         self.writers = WriterTracker()
         self.poll_writers = True
-        self._prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+        self._prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[bool]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def claim(self, marks: Callable[[list[OutboxRow]], Marks] | None = None) -> list[str]:
         """One batch: claim, mark (published unless ``marks`` says otherwise), commit.

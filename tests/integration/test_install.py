@@ -200,6 +200,36 @@ def test_install_over_an_earlier_install_replaces_its_late_trigger_and_fires_all
     ) == [(0,)]
 
 
+def test_install_over_an_earlier_install_makes_its_late_trigger_flag_rows_from_the_future(
+    empty_db,
+):
+    # The late trigger of an install before this one: its name, ALWAYS, no test for
+    # a created_at ahead of the clock, no comment.
+    assert cli("install", url=empty_db).returncode == 0
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("drop trigger zz_outbox_events_relay_late on outbox_events")
+        conn.execute(
+            "create trigger zz_outbox_events_relay_late before insert on outbox_events "
+            "for each row when (new.relay_seq is null or (pg_current_xact_id() is not null "
+            "and new.created_at < clock_timestamp() - interval '1 second')) "
+            "execute function outbox_events_relay_late()"
+        )
+        conn.execute("alter table outbox_events enable always trigger zz_outbox_events_relay_late")
+    future = (
+        "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
+        "values (gen_random_uuid(), 'a.b', 't', %s, now(), '{}', now() + %s * interval '1 s') "
+        "returning relay_late is true"
+    )
+    assert database.fetch(empty_db, future, ("before", 3600)) == [(False,)]
+    assert cli("install", url=empty_db).returncode == 0
+    assert database.fetch(empty_db, future, ("after", 3600)) == [(True,)]
+    assert database.fetch(empty_db, future, ("on time", 0)) == [(False,)]
+    assert database.fetch(
+        empty_db,
+        "select tgenabled from pg_trigger where tgname = 'zz_outbox_events_relay_late'",
+    ) == [("A",)]
+
+
 def test_install_over_an_earlier_install_gives_the_wake_up_its_when_and_the_sequence_a_cache(
     empty_db,
 ):
@@ -623,7 +653,9 @@ def test_marks_are_planned_each_time_and_the_claim_is_prepared(db_url):
 
     async def batches(count: int) -> list[tuple[str, str]]:
         async with await psycopg.AsyncConnection.connect(db_url, **POOLED_CONNECTION) as conn:
-            prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+            prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[bool]] = (
+                weakref.WeakKeyDictionary()
+            )
             for _ in range(count):
                 database.insert(db_url, [Event("a.b", "s")])
                 tx = Transaction(conn, names, prepared, ClaimStart())
@@ -658,7 +690,9 @@ def test_the_prepared_claim_outlives_a_rollback_and_comes_back_after_a_deallocat
     async def claims() -> list[str]:
         outcomes = []
         async with await psycopg.AsyncConnection.connect(db_url, **POOLED_CONNECTION) as conn:
-            prepared: weakref.WeakSet[psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+            prepared: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], set[bool]] = (
+                weakref.WeakKeyDictionary()
+            )
             for step in ("first", "after rollback", "after deallocate", "retried"):
                 for _ in range(6):  # enough for psycopg to prepare it, if it would
                     await conn.execute(query(names, "backlog"), {"max_attempts": 20})

@@ -22,15 +22,21 @@ import psycopg
 import pytest
 from psycopg.sql import Literal
 
-from relay.claimstart import MIN_SEQ, StartKey
+from relay.claimstart import (
+    CLAIM_REACH_MARGIN_SECONDS,
+    LATE_INSERT_SECONDS,
+    MIN_SEQ,
+    StartKey,
+)
 from relay.config import Config
-from relay.database import CLAIM_STATEMENT, partition_creation, partition_layout
+from relay.database import PARTITIONED_CLAIM_STATEMENT, partition_creation, partition_layout
 from relay.partitions import NewPartition, partition_name, reach
 from relay.sqlfiles import (
     Names,
     claim_execution,
     claim_parameters,
     claim_preparation,
+    claim_with_values,
     install_script,
     migration_statements,
     partition_statement,
@@ -275,23 +281,26 @@ def test_retention_waits_for_an_idle_writer_without_making_producers_wait(
         assert inserted > 1
 
 
-def partitioned_claim_plan(url: str, start_at: str) -> str:
+def partitioned_claim_plan(url: str, start_at: str, ceiling: str = "-infinity") -> str:
     """EXPLAIN ANALYZE of the claim as the relay runs it (prepared, on a connection
-    with its session settings), from the start key ``start_at``, rolled back."""
-    start = StartKey(start_at, MIN_SEQ, start_at)
+    with its session settings), from the start key ``start_at``, its walks ending at
+    its reach ('-infinity') or not ('infinity'), looking for nothing beyond; rolled
+    back."""
+    start = StartKey(start_at, MIN_SEQ, start_at, ceiling=ceiling, beyond_from="infinity")
+    statement = PARTITIONED_CLAIM_STATEMENT
     with relay_session(url) as conn:
         conn.autocommit = True
-        conn.execute(claim_preparation(NAMES, CLAIM_STATEMENT))
+        conn.execute(claim_preparation(NAMES, statement, partitioned=True))
         # Past the five custom plans, onto the generic plan the relay keeps using.
         for _ in range(6):
             conn.execute("begin")
-            conn.execute(claim_execution(CLAIM_STATEMENT, 500, 20, start))
+            conn.execute(claim_execution(statement, 500, 20, start))
             conn.execute("rollback")
         conn.execute("begin")
         values = claim_parameters(500, 20, start).values()
         explain = psycopg.sql.SQL("explain (analyze, timing off, costs off) execute {} ({})")
         lines = conn.execute(
-            explain.format(CLAIM_STATEMENT, psycopg.sql.SQL(", ").join(map(Literal, values)))
+            explain.format(statement, psycopg.sql.SQL(", ").join(map(Literal, values)))
         ).fetchall()
         conn.execute("rollback")
     return "\n".join(line for (line,) in lines)
@@ -342,6 +351,88 @@ def test_the_claim_walks_only_the_partitions_from_its_start_key(partitioned_url,
         if removed:
             assert int(removed.group(1)) <= 2 * 500, f"{line}\n{plan}"
     assert walked, plan
+
+
+def partitions_in_plan(url: str, plan: str) -> dict[str, float]:
+    """The partitions a plan opened, by name, with their starts (epoch seconds)."""
+    opened = set(re.findall(r" on (outbox_events_p\w+) \w+_\d+ \(actual", plan))
+    with psycopg.connect(url) as conn:
+        return {name: partition_bounds(conn, name)[0] for name in opened}
+
+
+def test_the_claim_opens_no_partition_past_its_reach(partitioned_url):
+    # Twenty minutes of partitions ahead, empty, as 3 days of hourly ones would be.
+    run_cli(partitioned_url, "install", "--partitions", "1min", "--partitions-ahead", "20min")
+    database.insert(partitioned_url, [Event("a.b", f"e{n}") for n in range(50)])
+    [(now, start_at)] = database.fetch(
+        partitioned_url, "select extract(epoch from now())::float8, now()::text"
+    )
+    reach = now + LATE_INSERT_SECONDS + CLAIM_REACH_MARGIN_SECONDS
+    plan = partitioned_claim_plan(partitioned_url, start_at)
+    opened = partitions_in_plan(partitioned_url, plan)
+    assert opened, plan
+    assert max(opened.values()) <= reach, f"a partition past the reach opened:\n{plan}"
+    assert "Subplans Removed" in plan, plan
+    # Behind a transaction pooler the claim goes with its values in place: the same walks.
+    key = StartKey(start_at, MIN_SEQ, start_at, ceiling="-infinity", beyond_from="-infinity")
+    with relay_session(partitioned_url) as conn:
+        found = conn.execute(claim_with_values(NAMES, 500, 20, key, partitioned=True)).fetchall()
+        conn.rollback()
+    assert len([row for row in found if row[0] is False]) == 50
+    assert found[-1][-1] == "false"  # looked beyond the reach, and found nothing
+    # With the ceiling lifted (a flagged row beyond the reach), the walks go to the end.
+    lifted = partitions_in_plan(
+        partitioned_url, partitioned_claim_plan(partitioned_url, start_at, "infinity")
+    )
+    assert max(lifted.values()) >= now + 15 * MINUTE
+
+
+def test_a_row_from_the_future_is_flagged_and_published_before_the_walks_reach_it(
+    partitioned_url, stream, relays
+):
+    relay = start(relays, partitioned_url, partitions_ahead="3min")
+    database.insert(partitioned_url, [Event(stream.subject("a.b"), "before")])
+    wait_until(lambda: database.unpublished_count(partitioned_url) == 0, message="first row")
+    # Two and a half minutes ahead of the database's clock: past the walks' reach,
+    # inside the partitions kept ahead.
+    with psycopg.connect(partitioned_url) as conn:
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
+            "values (gen_random_uuid(), %s, 't', 'ahead', now(), '{}', "
+            "now() + interval '150 seconds')",
+            (stream.subject("a.b"),),
+        )
+    wait_until(
+        lambda: database.unpublished_count(partitioned_url) == 0,
+        timeout=60.0,
+        message="the row from the future published",
+    )
+    [(late, early)] = database.fetch(
+        partitioned_url,
+        "select relay_late, published_at < created_at - %s * interval '1 second' "
+        "from outbox_events where subject = 'ahead'",
+        (LATE_INSERT_SECONDS + CLAIM_REACH_MARGIN_SECONDS,),
+    )
+    assert late, "the trigger did not flag a row from the future"
+    assert early, "published only once the walks' reach came to it"
+    assert len(stream.read_all()) == 2
+    # One waiting out a retry keeps the claims walking to the end, and says so.
+    with psycopg.connect(partitioned_url) as conn:
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, created_at, "
+            "relay_retry_at) values (gen_random_uuid(), %s, 't', 'waiting', now(), '{}', "
+            "now() + interval '150 seconds', now() + interval '10 seconds')",
+            (stream.subject("a.b"),),
+        )
+    wait_until(lambda: relay.metric("outbox_relay_claims_past_reach") == 1, message="past reach")
+    wait_until(
+        lambda: (
+            database.unpublished_count(partitioned_url) == 0
+            and relay.metric("outbox_relay_claims_past_reach") == 0
+        ),
+        timeout=30.0,
+        message="published, and the walks back at their reach",
+    )
 
 
 def test_an_id_written_twice_across_partitions_is_published_and_found_by_the_audit(

@@ -69,23 +69,28 @@ def test_bench_quick_mode_runs_every_measurement(tmp_path):
 
 
 def test_bench_steady_quick_counts_the_relays_cost_per_event(tmp_path):
-    """`bench steady --quick`: one rate for a few seconds; the figures are printed,
-    and only their sanity asserted (CI machines are too noisy for targets)."""
+    """`bench steady --quick --partitions 1h`: one rate for a few seconds, on the plain
+    table and on one partitioned by the hour; the figures are printed, and only
+    their sanity asserted (CI machines are too noisy for targets)."""
     out = tmp_path / "steady.json"
     result = subprocess.run(
-        [sys.executable, "-m", "relay", "bench", "steady", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "relay", "bench", "steady", "--quick", "--partitions", "1h",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     print(result.stdout)
-    [row] = json.loads(out.read_text())["rows"]
-    assert row["lost"] == 0
-    assert row["committed_per_s"] > 0
-    assert row["us_per_event"] > 0
-    # The relay claims and marks: statements of its own, beside the producers' inserts.
-    assert row["statements_per_event"] > 0
-    assert row["p50_ms"] <= row["p99_ms"]
-    assert "| this build | 100 |" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["layout"] for row in rows] == ["plain", "partitioned by 3600 s"]
+    for row in rows:
+        assert row["lost"] == 0
+        assert row["committed_per_s"] > 0
+        assert row["us_per_event"] > 0
+        # The relay claims and marks: statements of its own, beside the producers' inserts.
+        assert row["statements_per_event"] > 0
+        assert row["p50_ms"] <= row["p99_ms"]
+    assert "| this build | plain | 100 |" in result.stdout
+    assert "at 100/s, this build, partitioned by 3600 s: CPU per event" in result.stdout
 
 
 def test_the_round_trip_bench_prints_each_way_of_waiting():

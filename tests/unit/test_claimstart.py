@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from relay.claimstart import (
     CLAIMS_KEPT,
     FROM_FIRST_ENTRY,
@@ -131,3 +133,49 @@ def test_a_claim_whose_guard_was_off_rewinds_until_a_claim_from_the_first_entry_
     assert start.key() == FROM_FIRST_ENTRY
     start.observe(ClaimSummary("t5", 7, "s5", 110, 111), FROM_FIRST_ENTRY)
     assert start.key() == StartKey("t5", 7, "s4")
+
+
+def sent(start: ClaimStart, now: float, beyond: bool | None) -> StartKey:
+    """A claim sent at ``now`` whose look beyond the reach (when it looked) found
+    ``beyond``; the key it was sent with."""
+    key = start.sending(now)
+    found = summary("t", xmin=100 + int(now * 10), xid=100 + int(now * 10), at=f"s{now}")
+    looked = key.beyond_from == "-infinity"
+    start.observe(replace(found, rows_beyond=beyond if looked else None), key)
+    return key
+
+
+def test_walks_from_the_first_entry_reach_the_end_and_look_for_nothing_beyond():
+    key = ClaimStart().sending(0.0)
+    assert (key.ceiling, key.beyond_from) == ("infinity", "infinity")
+
+
+def test_claims_look_beyond_their_reach_once_a_second_and_go_to_the_end_while_rows_are_there():
+    start = ClaimStart()
+    sent(start, 0.0, beyond=False)
+    sent(start, 0.1, beyond=False)  # a bound from here on: the walks have a reach
+    first = sent(start, 0.2, beyond=False)
+    assert (first.ceiling, first.beyond_from) == ("-infinity", "-infinity")
+    assert not start.found_beyond
+    # Within the second, no look: the summary's answer is not asked for.
+    key = sent(start, 0.7, beyond=None)
+    assert (key.ceiling, key.beyond_from) == ("-infinity", "infinity")
+    # The next look finds a flagged row beyond the reach: claim again, to the end.
+    key = sent(start, 1.3, beyond=True)
+    assert key.beyond_from == "-infinity"
+    assert start.found_beyond
+    key = sent(start, 1.4, beyond=None)
+    assert key.ceiling == "infinity"
+    assert not start.found_beyond  # said once: this claim's walks went to the end
+    # A look made while the walks went to the end, still finding one, says nothing new.
+    key = sent(start, 2.4, beyond=True)
+    assert (key.ceiling, key.beyond_from) == ("infinity", "-infinity")
+    assert not start.found_beyond
+    # Once a look finds none, the walks end at the reach again.
+    sent(start, 3.5, beyond=False)
+    assert start.sending(3.6).ceiling == "-infinity"
+
+
+def test_the_ceiling_is_not_part_of_where_the_walks_start():
+    key = StartKey("t", 7, "s")
+    assert replace(key, ceiling="-infinity", beyond_from="-infinity") == key
