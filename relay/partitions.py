@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from relay.claimstart import CLAIM_REACH_MARGIN_SECONDS, LATE_INSERT_SECONDS
 from relay.config import Config
 from relay.errors import RelayError, SetupError, first_line
 from relay.metrics import Metrics
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 CREATE_LIMIT = 64
 # Postgres cuts longer identifiers short, and two partitions would then share a name.
 MAX_IDENTIFIER_BYTES = 63
-# Past this many partitions the relay says, once, what they cost every claim
-# (docs/partitions.md, *What partitions cost*).
+# Past this many partitions that every claim opens, the relay says, once, what they
+# cost it (docs/partitions.md, *What partitions cost*).
 PARTITIONS_WARNED = 40
 
 
@@ -52,6 +53,13 @@ class NewPartition:
     name: str
     start: float
     end: float
+
+
+def opened_by_claims(partitions: Sequence[Partition], now: float) -> int:
+    """How many of ``partitions`` every claim opens: those that start within the
+    claims' reach of ``now`` (the partitions ahead past it are pruned)."""
+    reach = now + LATE_INSERT_SECONDS + CLAIM_REACH_MARGIN_SECONDS
+    return sum(1 for p in partitions if p.start is None or p.start <= reach)
 
 
 def partition_name(base: str, start: float) -> str:
@@ -160,14 +168,16 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
             # Both gauges stay 0 on a plain table, where the alert on them never fires.
             metrics.partitions_ahead_target.set(config.partitions_ahead if layout.managed else 0)
             if layout.managed:
-                if len(layout.partitions) > PARTITIONS_WARNED and not warned:
+                opened = opened_by_claims(layout.partitions, layout.now)
+                if opened > PARTITIONS_WARNED and not warned:
                     warned = True
                     log.warning(
-                        "%s has %d partitions: every claim opens each of them, which costs "
-                        "the claim about 40us a partition (docs/partitions.md); a longer "
-                        "period, or a shorter --retention or --partitions-ahead, makes fewer",
+                        "%s has %d partitions up to a minute past now: every claim opens "
+                        "each of them, which costs the claim about 50us a partition "
+                        "(docs/partitions.md); a longer period, or a shorter --retention, "
+                        "makes fewer",
                         config.table_display,
-                        len(layout.partitions),
+                        opened,
                     )
                 interval = await _create_ahead(config, database, metrics, layout)
         except SetupError as exc:

@@ -83,7 +83,8 @@ def _time_statements(url: str, names: Names, count: int, partitioned: bool) -> t
     start = StartKey(stamp, MIN_SEQ, stamp, ceiling="-infinity", beyond_from="infinity")
     statement = PARTITIONED_CLAIM_STATEMENT if partitioned else CLAIM_STATEMENT
     config = Config(database_url=url, table=(*names.schema, names.base))
-    with psycopg.connect(url, autocommit=True) as conn:
+    # Never prepared by psycopg: it would deallocate the claim, too, at the first rollback.
+    with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
         for name, value in database.Database(config).session_settings.items():
             conn.execute("select set_config(%s, %s, false)", (name, value))
         conn.execute(claim_preparation(names, statement, partitioned=partitioned))

@@ -11,6 +11,7 @@ from relay.config import Config
 from relay.partitions import (
     Partition,
     expired,
+    opened_by_claims,
     partition_name,
     partitions_to_create,
     period_of,
@@ -140,3 +141,11 @@ def test_only_a_partitioned_tables_marks_carry_the_batchs_created_at_span():
         assert "created_at between" not in plain
         assert 'and "t".created_at between to_timestamp(%(since)s)' in partitioned
         assert partitioned.rstrip().endswith("to_timestamp(%(until)s)")
+
+
+def test_claims_open_the_partitions_up_to_their_reach_not_those_ahead_of_it():
+    # Hourly: a day of them spent, this hour, three days ahead.
+    partitions = hourly(*range(-24, 73))
+    now = T + 30 * 60  # half past: the reach (a minute on) stays in this hour
+    assert opened_by_claims(partitions, now) == 25
+    assert opened_by_claims(partitions, T + HOUR - 30) == 26  # the next hour is in reach
