@@ -387,21 +387,28 @@ def test_the_claim_opens_no_partition_past_its_reach(partitioned_url):
     assert max(lifted.values()) >= now + 15 * MINUTE
 
 
+def insert_from_the_future(
+    url: str, event_type: str, subject: str, retry_in: float | None = None
+) -> None:
+    """A row created two and a half minutes ahead of the database's clock (past the
+    walks' reach, inside the partitions kept ahead), waiting out a retry of
+    ``retry_in`` seconds if given."""
+    database.execute(
+        url,
+        "insert into outbox_events (id, event_type, source, subject, time, data, created_at, "
+        "relay_retry_at) values (gen_random_uuid(), %s, 't', %s, now(), '{}', "
+        "now() + interval '150 seconds', now() + %s * interval '1 second')",
+        (event_type, subject, retry_in),
+    )
+
+
 def test_a_row_from_the_future_is_flagged_and_published_before_the_walks_reach_it(
     partitioned_url, stream, relays
 ):
     relay = start(relays, partitioned_url, partitions_ahead="3min")
     database.insert(partitioned_url, [Event(stream.subject("a.b"), "before")])
     wait_until(lambda: database.unpublished_count(partitioned_url) == 0, message="first row")
-    # Two and a half minutes ahead of the database's clock: past the walks' reach,
-    # inside the partitions kept ahead.
-    with psycopg.connect(partitioned_url) as conn:
-        conn.execute(
-            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
-            "values (gen_random_uuid(), %s, 't', 'ahead', now(), '{}', "
-            "now() + interval '150 seconds')",
-            (stream.subject("a.b"),),
-        )
+    insert_from_the_future(partitioned_url, stream.subject("a.b"), "ahead")
     wait_until(
         lambda: database.unpublished_count(partitioned_url) == 0,
         timeout=60.0,
@@ -417,13 +424,7 @@ def test_a_row_from_the_future_is_flagged_and_published_before_the_walks_reach_i
     assert early, "published only once the walks' reach came to it"
     assert len(stream.read_all()) == 2
     # One waiting out a retry keeps the claims walking to the end, and says so.
-    with psycopg.connect(partitioned_url) as conn:
-        conn.execute(
-            "insert into outbox_events (id, event_type, source, subject, time, data, created_at, "
-            "relay_retry_at) values (gen_random_uuid(), %s, 't', 'waiting', now(), '{}', "
-            "now() + interval '150 seconds', now() + interval '10 seconds')",
-            (stream.subject("a.b"),),
-        )
+    insert_from_the_future(partitioned_url, stream.subject("a.b"), "waiting", retry_in=10.0)
     wait_until(lambda: relay.metric("outbox_relay_claims_past_reach") == 1, message="past reach")
     wait_until(
         lambda: (
