@@ -64,7 +64,11 @@ async def run_retention(config: Config, database: Database, metrics: Metrics) ->
         try:
             layout = await database.partition_layout()
             if layout.managed:
-                await retire_partitions(config, database, metrics, layout)
+                # Until the LISTEN self-check tells whether a transaction pooler stands
+                # between, connections carry no lock_timeout: a detach would wait for as
+                # long as an idle writer stays open. The check takes a round trip or two.
+                if database.pooled is not None:
+                    await retire_partitions(config, database, metrics, layout)
             else:
                 await _delete_spent(config, database, metrics, cursor)
         except RelayError as exc:

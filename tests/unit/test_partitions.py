@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import trio
 
+from relay import retention
 from relay.config import Config
+from relay.database import PartitionLayout
 from relay.partitions import (
     Partition,
     expired,
@@ -17,6 +20,7 @@ from relay.partitions import (
     period_of,
     reach,
 )
+from relay.retention import run_retention
 from relay.sqlfiles import Names, mark_statement, migration_statements
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,3 +153,34 @@ def test_claims_open_the_partitions_up_to_their_reach_not_those_ahead_of_it():
     now = T + 30 * 60  # half past: the reach (a minute on) stays in this hour
     assert opened_by_claims(partitions, now) == 25
     assert opened_by_claims(partitions, T + HOUR - 30) == 26  # the next hour is in reach
+
+
+def test_retention_drops_no_partition_before_the_relay_knows_whether_a_pooler_stands_between(
+    monkeypatch,
+):
+    # Until the LISTEN self-check tells, connections carry no lock_timeout, and a detach
+    # behind an idle writer would wait as long as the writer stays open.
+    rounds: list[bool | None] = []
+
+    class Database:
+        pooled: bool | None = None
+
+        async def partition_layout(self) -> PartitionLayout:
+            return PartitionLayout("p", True, hourly(-3, 0, 1), T)
+
+    database = Database()
+
+    async def retire(config: Config, db: Database, metrics: object, layout: object) -> None:
+        rounds.append(db.pooled)
+
+    async def three_rounds() -> None:
+        with trio.move_on_after(3 * 0.05 + 0.02):
+            await run_retention(Config(retention_interval=0.05), database, None)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(retention, "retire_partitions", retire)
+    trio.run(three_rounds)
+    assert rounds == []
+    database.pooled = False
+    trio.run(three_rounds)
+    assert rounds
+    assert set(rounds) == {False}
