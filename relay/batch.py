@@ -66,6 +66,8 @@ class BatchOutcome:
     found_beyond: bool = False
     # Its claim's walks went past their reach, to the end (relay/claimstart.py).
     past_reach: bool = False
+    # Its claim ran again without its walks' floor (relay/claimstart.py).
+    below_floor: bool = False
 
 
 def published_rows(
@@ -237,6 +239,7 @@ class Batch:
                             from_first_entry=claim.from_first_entry,
                             found_beyond=claim.found_beyond,
                             past_reach=claim.past_reach,
+                            below_floor=claim.below_floor,
                         )
                     flight = _Flight(claim.rows)
                     self._in_flight.append(flight)
@@ -279,6 +282,7 @@ class Batch:
                 claim.from_first_entry,
                 claim.found_beyond,
                 claim.past_reach,
+                claim.below_floor,
             )
         finally:
             # Out of flight only once its transaction is over: until then a later

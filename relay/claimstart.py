@@ -65,6 +65,9 @@ class StartKey:
     # walks start, so not of a key's identity.
     ceiling: str = field(default="infinity", compare=False)
     beyond_from: str = field(default="infinity", compare=False)
+    # Where the walks from the start begin on a partitioned table, at the earliest
+    # ('infinity': at the floor the key gives, see walk_floor; '-infinity': nowhere).
+    floor_cap: str = field(default="-infinity", compare=False)
 
 
 # Every walk from the index's first entry: the claim as it was before start keys.
@@ -182,7 +185,15 @@ class ClaimStart:
             key,
             ceiling="infinity" if self._beyond else "-infinity",
             beyond_from="-infinity" if look else "infinity",
+            floor_cap="infinity",
         )
+
+    @staticmethod
+    def without_floor(key: StartKey) -> StartKey:
+        """``key`` for the claim run again after ``key``'s was refused, its walks
+        starting below their floor. Nothing of the refused claim is observed: it
+        claimed nothing and its summary says nothing of where the next should start."""
+        return replace(key, floor_cap="-infinity")
 
     def observe(self, summary: ClaimSummary, used: StartKey) -> None:
         """Take the summary of a claim that ran from ``used``."""

@@ -26,7 +26,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from relay import aio
-from relay.claimstart import ClaimStart, ClaimSummary
+from relay.claimstart import ClaimStart, ClaimSummary, StartKey
 from relay.config import Config, show_duration
 from relay.errors import DatabaseUnavailable, SetupError, first_line
 from relay.horizon import Holder, read_holders
@@ -41,6 +41,7 @@ from relay.sqlfiles import (
     claim_execution,
     claim_preparation,
     claim_unprepared,
+    claim_with_values,
     grant_script,
     install_script,
     mark_statement,
@@ -229,6 +230,9 @@ class Claim:
     # A partitioned table's claim whose walks went past their reach, to the end, for
     # rows from the future.
     past_reach: bool = False
+    # Its first run was refused, for rows below its walks' floor, and it ran again
+    # without the floor.
+    below_floor: bool = False
 
 
 @dataclass(frozen=True)
@@ -286,36 +290,13 @@ class Transaction:
         async with translated("claim"):
             cursor = psycopg.AsyncClientCursor(conn)
             start = self._start.sending(time.monotonic())
-            if self._local_settings is not None:
-                await cursor.execute(
-                    claim_unprepared(
-                        self._names,
-                        batch_size,
-                        max_attempts,
-                        start,
-                        self._local_settings,
-                        partitioned=partitioned,
-                    )
-                )
-                cursor.nextset()  # past the BEGIN's result
-            else:
-                statement = PARTITIONED_CLAIM_STATEMENT if partitioned else CLAIM_STATEMENT
-                prepared = self._prepared.setdefault(conn, set())
-                if partitioned not in prepared:
-                    await conn.execute(
-                        claim_preparation(self._names, statement, partitioned=partitioned)
-                    )
-                    prepared.add(partitioned)
-                execution = claim_execution(statement, batch_size, max_attempts, start)
-                try:
-                    await cursor.execute(execution)
-                except psycopg.errors.InvalidSqlStatementName:
-                    # Deallocated behind our back (DISCARD ALL by a proxy, say): this
-                    # batch fails and is retried, and the next claim prepares it again.
-                    self._prepared.pop(conn, None)
-                    raise
-            cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
-            found = await cursor.fetchall()
+            found = await self._run_claim(cursor, batch_size, max_attempts, start, begin=True)
+            below_floor = found[-1][9] == 1
+            if below_floor:
+                # Refused (walk_floor in sql/queries.sql): it claimed nothing. Again in
+                # the same transaction, from the start key alone.
+                start = self._start.without_floor(start)
+                found = await self._run_claim(cursor, batch_size, max_attempts, start)
         # The last row is the claim's summary (blocker null): where the next starts.
         *found, summary = found
         (_, start_at, statement_at, xmin, xid, guard_off, finished, _, start_seq, _,
@@ -353,7 +334,58 @@ class Transaction:
             walked.from_first_entry,
             self._start.found_beyond,
             partitioned and start.ceiling == "infinity" and not walked.from_first_entry,
+            below_floor,
         )
+
+    async def _run_claim(
+        self,
+        cursor: psycopg.AsyncClientCursor[Any],
+        batch_size: int,
+        max_attempts: int,
+        start: StartKey,
+        *,
+        begin: bool = False,
+    ) -> list[Any]:
+        """The claim's rows from ``start`` (opening the transaction with ``begin``),
+        its summary last."""
+        conn = self._conn
+        partitioned = self._partitioned
+        if self._local_settings is not None:
+            if begin:
+                text = claim_unprepared(
+                    self._names,
+                    batch_size,
+                    max_attempts,
+                    start,
+                    self._local_settings,
+                    partitioned=partitioned,
+                )
+            else:
+                text = claim_with_values(
+                    self._names, batch_size, max_attempts, start, partitioned=partitioned
+                )
+            await cursor.execute(text)
+            if begin:
+                cursor.nextset()  # past the BEGIN's result
+        else:
+            statement = PARTITIONED_CLAIM_STATEMENT if partitioned else CLAIM_STATEMENT
+            prepared = self._prepared.setdefault(conn, set())
+            if partitioned not in prepared:
+                await conn.execute(
+                    claim_preparation(self._names, statement, partitioned=partitioned)
+                )
+                prepared.add(partitioned)
+            execution = claim_execution(statement, batch_size, max_attempts, start, begin=begin)
+            try:
+                await cursor.execute(execution)
+            except psycopg.errors.InvalidSqlStatementName:
+                # Deallocated behind our back (DISCARD ALL by a proxy, say): this
+                # batch fails and is retried, and the next claim prepares it again.
+                self._prepared.pop(conn, None)
+                raise
+        if begin:
+            cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
+        return await cursor.fetchall()
 
     async def mark_and_commit(
         self, marks: Marks, crash_before_commit: Callable[[], None] | None = None

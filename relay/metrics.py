@@ -160,6 +160,7 @@ class Metrics:
     claims_from_first_entry: Counter
     claims_bounded: Gauge
     claims_past_reach: Gauge
+    claims_below_floor: Counter
     table_writers: Gauge
     horizon_holder: Gauge
     database_errors: Counter

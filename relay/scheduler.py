@@ -415,6 +415,8 @@ class Scheduler:
             self._metrics.claims_from_first_entry.inc()
         self._metrics.claims_bounded.set(0 if outcome.from_first_entry else 1)
         self._metrics.claims_past_reach.set(1 if outcome.past_reach else 0)
+        if outcome.below_floor:
+            self._metrics.claims_below_floor.inc()
         if outcome.rows:
             self._record(outcome)
         acked = sum(1 for result in outcome.results.values() if isinstance(result, Acked))

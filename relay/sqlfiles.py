@@ -358,7 +358,14 @@ def query(
 
 
 # Fragments a plain table's claim goes without, and what stands in their place.
-PARTITIONED_ONLY = {"walk_ceiling": "", "rows_beyond": "null"}
+PARTITIONED_ONLY = {
+    "walk_ceiling": "",
+    "rows_beyond": "null",
+    "walk_floor": "",
+    "floor_refusal": "",
+    "refusal": "",
+    "refused": "null",
+}
 
 
 def _compose_fragments(
@@ -397,7 +404,7 @@ CLAIM_REACH = sql.SQL("interval {}").format(
 )
 
 # The claim's parameters are slots in sql/queries.sql, not %(name)s: as they are,
-# bound parameters; when the relay prepares the claim, $1 to $8, typed in PREPARE.
+# bound parameters; when the relay prepares the claim, $1 to $11, typed in PREPARE.
 _CLAIM_PARAMETER_TYPES = {
     "batch_size": "integer",
     "max_attempts": "integer",
@@ -409,6 +416,7 @@ _CLAIM_PARAMETER_TYPES = {
     "writer_since": "timestamptz[]",
     "ceiling": "timestamptz",
     "beyond_from": "timestamptz",
+    "floor_cap": "timestamptz",
 }
 CLAIM_PARAMETERS: dict[str, sql.Composable] = {
     name: sql.Placeholder(name) for name in _CLAIM_PARAMETER_TYPES
@@ -428,6 +436,7 @@ def claim_parameters(batch_size: int, max_attempts: int, start: StartKey) -> dic
         "writer_since": start.writer_since,
         "ceiling": start.ceiling,
         "beyond_from": start.beyond_from,
+        "floor_cap": start.floor_cap,
     }
 
 
@@ -443,12 +452,17 @@ def claim_preparation(
 
 
 def claim_execution(
-    statement: sql.Identifier, batch_size: int, max_attempts: int, start: StartKey
+    statement: sql.Identifier,
+    batch_size: int,
+    max_attempts: int,
+    start: StartKey,
+    *,
+    begin: bool = True,
 ) -> sql.Composed:
     """Open the batch's transaction and run the prepared claim: one message, one
-    round trip."""
+    round trip (without ``begin``, the claim alone, in the transaction open)."""
     values = claim_parameters(batch_size, max_attempts, start).values()
-    return sql.SQL("begin; execute {} ({})").format(
+    return sql.SQL("begin; execute {} ({})" if begin else "execute {} ({})").format(
         statement, sql.SQL(", ").join(sql.Literal(v) for v in values)
     )
 

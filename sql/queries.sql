@@ -51,6 +51,47 @@ and {row}.created_at between to_timestamp(%(since)s) and to_timestamp(%(until)s)
 -- table's claim goes without.
 and {row}.created_at <= greatest(statement_timestamp() + {claim_reach}, {ceiling})
 
+-- fragment: walk_floor
+-- On a partitioned table, where a claim's walks from its start begin at the earliest
+-- ({row} is its alias): the start key's created_at, or its bound less the late-insert
+-- slack if earlier, less the claim's reach; or nowhere, with the floor_cap
+-- '-infinity'. Parameters only, so Postgres prunes by it when the claim starts, and
+-- the partitions behind the start key (a week of them by default) are not opened by
+-- each of those walks (docs/partitions.md). The late rows' lookup and the per-row
+-- probe of claimable go without: the rows they look for may lie anywhere. A claim
+-- whose walks would start below the floor claims nothing (floor_refusal), and the
+-- relay runs it again with the floor_cap '-infinity'.
+and {row}.created_at >= least({raw_floor(k)}, {floor_cap})
+
+-- fragment: raw_floor
+-- The floor itself (walk_floor says why). The writers' bound is taken from the poll
+-- (locks_at) where the claim takes the earliest finished writer's if earlier: the
+-- claim's reach covers a writer of up to a minute.
+least({start_at}::timestamptz,
+      greatest({bound_at}::timestamptz, {locks_at}::timestamptz) - {late_insert})
+  - {claim_reach}
+
+-- fragment: floor_refusal
+-- On a partitioned table, a CTE ({row} is unused): whether this claim's walks would
+-- start below their floor, so that it must claim nothing: a live flagged row lies
+-- below it (inserted late with an old created_at, or requeued), a finished writer's
+-- bound lies more than the reach behind the poll's, or the guard is off. The relay
+-- then claims again without the floor, and the start key it gets keeps such a row
+-- above the floors after it.
+floor_refusal as materialized (
+  select (select created_at from walk_from) < least({raw_floor(k)}, {floor_cap}) as refused
+),
+
+-- fragment: refusal
+-- On a partitioned table, the start's condition that the claim was not refused
+-- (floor_refusal): a refused claim finds no start, so it claims nothing.
+and not (select refused from floor_refusal)
+
+-- fragment: refused
+-- On a partitioned table, whether the claim was refused (floor_refusal), for the
+-- summary (1 or 0, in the attempts column); on a plain table, null.
+(select refused from floor_refusal)::int
+
 -- fragment: rows_beyond
 -- Whether a live flagged row lies beyond the walks' bound when the relay sends no
 -- ceiling of its own ({row} is its alias), looked for when the parameter beyond_from
@@ -170,6 +211,7 @@ walk_from as materialized (
    order by k.created_at, k.relay_seq
    limit 1
 ),
+{floor_refusal(u)}
 start as materialized (
   select s.created_at, s.relay_seq
     from {table} s
@@ -177,6 +219,8 @@ start as materialized (
      and (s.created_at, s.relay_seq)
          >= ((select created_at from walk_from), (select relay_seq from walk_from))
      and s.created_at >= (select created_at from walk_from)
+     {refusal(s)}
+     {walk_floor(s)}
      {walk_ceiling(s)}
    order by s.created_at, s.relay_seq
    limit 1
@@ -191,6 +235,7 @@ horizon as materialized (
      and (h.created_at, h.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
      and h.created_at >= (select created_at from start)
+     {walk_floor(h)}
      {walk_ceiling(h)}
    order by h.created_at, h.relay_seq
    offset 2 * {batch_size} - 1
@@ -205,6 +250,7 @@ claimed as materialized (
      and (o.created_at, o.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
      and o.created_at >= (select created_at from start)
+     {walk_floor(o)}
      {walk_ceiling(o)}
      -- The horizon as two parameters: an index condition that ends the walk there.
      -- The filter is the horizon's again: this scan locks the rows, and only its
@@ -234,6 +280,7 @@ ahead as (
          >= ((select created_at from start), (select relay_seq from start))
      and e.created_at >= (select created_at from start)
      and e.created_at < (select created_at from last)
+     {walk_floor(e)}
      {walk_ceiling(e)}
   union all
   select e.id, e.subject, e.created_at, e.relay_seq
@@ -245,6 +292,7 @@ ahead as (
      and e.created_at >= (select created_at from start)
      and e.created_at = (select created_at from last)
      and e.relay_seq < (select relay_seq from last)
+     {walk_floor(e)}
      {walk_ceiling(e)}
 )
 select false as blocker, id::text, event_type, source, subject, time, data,
@@ -267,14 +315,15 @@ union all
 -- xid) were taken before it is read: the start (its created_at as exact text; null
 -- when no live row was found), this statement's time, the snapshot's xmin, this
 -- transaction's xid (null when it claimed nothing), whether the guard was off, the
--- writers it saw finished, whether it walked from the first entry, its bound, and
--- whether a flagged row lies beyond the walks' bound (null when not looked for).
+-- writers it saw finished, the start's relay_seq, whether it was refused (below its
+-- floor), whether it walked from the first entry, its bound, and whether a flagged
+-- row lies beyond the walks' bound (null when not looked for).
 select null, (select {exact_time(created_at)} from start),
        (select {exact_time(t)} from (select statement_timestamp()) n (t)),
        pg_snapshot_xmin(pg_current_snapshot())::text,
        pg_current_xact_id_if_assigned()::text, (select off from guard)::text,
        (select coalesce(array_agg(xid), '{{}}') from finished_writers)::text, null,
-       (select relay_seq from start), null,
+       (select relay_seq from start), {refused(r)},
        ((select created_at from walk_from) = '-infinity')::text,
        (select {exact_time(since)} from bound), ({rows_beyond(f)})::text;
 

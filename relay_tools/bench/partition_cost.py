@@ -1,6 +1,7 @@
 """What a partitioned outbox table costs the relay's claim and mark, by how many
 partitions it has: the claim as the relay runs it (prepared, past its custom plans,
-from a start key a few seconds back, with the relay's session settings) and a mark
+from a start key a few seconds back, with the relay's session settings; and
+without its walks' floor, as before it had one) and a mark
 of one row, each ``--count`` times, on a plain table and on one partitioned by the
 minute with the same rows (``--rows`` spent rows a past partition, a few live ones
 now), in a scratch database on ``--database-url`` (default: the shared server's).
@@ -76,11 +77,21 @@ def _install(url: str, names: Names, partitions: int, ahead: int) -> None:
                 conn.execute(statement)
 
 
-def _time_statements(url: str, names: Names, count: int, partitioned: bool) -> tuple[float, float]:
+def _time_statements(
+    url: str, names: Names, count: int, partitioned: bool, floor: bool = True
+) -> tuple[float, float]:
     """Seconds per claim and per one-row mark (as the relay claims and marks that
-    table: a partitioned table's claim with its walks' reach, not looking beyond)."""
+    table: a partitioned table's claim with its walks' reach and, with ``floor``, its
+    floor, not looking beyond either)."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(time.time() - 5))
-    start = StartKey(stamp, MIN_SEQ, stamp, ceiling="-infinity", beyond_from="infinity")
+    start = StartKey(
+        stamp,
+        MIN_SEQ,
+        stamp,
+        ceiling="-infinity",
+        beyond_from="infinity",
+        floor_cap="infinity" if floor else "-infinity",
+    )
     statement = PARTITIONED_CLAIM_STATEMENT if partitioned else CLAIM_STATEMENT
     config = Config(database_url=url, table=(*names.schema, names.base))
     # Never prepared by psycopg: it would deallocate the claim, too, at the first rollback.
@@ -126,6 +137,7 @@ def measure(server_url: str, counts: list[int], rows: int, count: int, ahead: in
     url = with_database(server_url, name)
     try:
         print(f"{'partitions':>10}  {'claim plain':>11}  {'partitioned':>11}  {'ratio':>5}  "
+              f"{'no floor':>11}  {'ratio':>5}  "
               f"{'mark plain':>10}  {'partitioned':>11}  {'ratio':>5}")  # fmt: skip
         for partitions in counts:
             figures = []
@@ -138,10 +150,12 @@ def measure(server_url: str, counts: list[int], rows: int, count: int, ahead: in
                 _install(url, names, n, ahead)
                 _fill(url, names, max(partitions - ahead - 1, 1), rows)
                 figures.append(_time_statements(url, names, count, n > 0))
+            floorless, _ = _time_statements(url, names, count, True, floor=False)
             (claim_plain, mark_plain), (claim_parts, mark_parts) = figures
             print(
                 f"{partitions:>10}  {claim_plain * 1e6:>8.0f} us  {claim_parts * 1e6:>8.0f} us  "
-                f"{claim_parts / claim_plain:>5.2f}  {mark_plain * 1e6:>7.0f} us  "
+                f"{claim_parts / claim_plain:>5.2f}  {floorless * 1e6:>8.0f} us  "
+                f"{floorless / claim_plain:>5.2f}  {mark_plain * 1e6:>7.0f} us  "
                 f"{mark_parts * 1e6:>8.0f} us  {mark_parts / mark_plain:>5.2f}"
             )
     finally:

@@ -281,12 +281,21 @@ def test_retention_waits_for_an_idle_writer_without_making_producers_wait(
         assert inserted > 1
 
 
-def partitioned_claim_plan(url: str, start_at: str, ceiling: str = "-infinity") -> str:
+def partitioned_claim_plan(
+    url: str, start_at: str, ceiling: str = "-infinity", floor_cap: str = "infinity"
+) -> str:
     """EXPLAIN ANALYZE of the claim as the relay runs it (prepared, on a connection
     with its session settings), from the start key ``start_at``, its walks ending at
-    its reach ('-infinity') or not ('infinity'), looking for nothing beyond; rolled
-    back."""
-    start = StartKey(start_at, MIN_SEQ, start_at, ceiling=ceiling, beyond_from="infinity")
+    its reach ('-infinity') or not ('infinity') and beginning at its floor
+    ('infinity') or not ('-infinity'), looking for nothing beyond; rolled back."""
+    start = StartKey(
+        start_at,
+        MIN_SEQ,
+        start_at,
+        ceiling=ceiling,
+        beyond_from="infinity",
+        floor_cap=floor_cap,
+    )
     statement = PARTITIONED_CLAIM_STATEMENT
     with relay_session(url) as conn:
         conn.autocommit = True
@@ -385,6 +394,79 @@ def test_the_claim_opens_no_partition_past_its_reach(partitioned_url):
         partitioned_url, partitioned_claim_plan(partitioned_url, start_at, "infinity")
     )
     assert max(lifted.values()) >= now + 15 * MINUTE
+
+
+def test_the_claim_opens_no_partition_below_its_floor(partitioned_url):
+    # Twelve minutes of spent partitions behind the start key, as a week of hourly
+    # ones would be. The walks from the start begin at the floor (the start key less
+    # the claim's reach): only the late rows' lookup and the probe for a waiting row
+    # of a subject (aliases l and b), whose rows may be anywhere, open those.
+    old = [add_past_partition(partitioned_url, minutes) for minutes in range(14, 2, -1)]
+    for name in old:
+        insert_into_partition(partitioned_url, name, published=True)
+    database.insert(partitioned_url, [Event("a.b", f"e{n}") for n in range(50)])
+    [(now, start_at)] = database.fetch(
+        partitioned_url, "select extract(epoch from now())::float8, now()::text"
+    )
+    floor = now - LATE_INSERT_SECONDS - CLAIM_REACH_MARGIN_SECONDS - LATE_INSERT_SECONDS
+
+    def walked_partitions(plan: str) -> dict[str, float]:
+        """The partitions the walks opened (those pruned when the claim ran too)."""
+        walk = r" on (outbox_events_p\w+) ([ac-km-z]|[a-z]{2,})_\d+ \((?:actual|never)"
+        opened = set(re.findall(walk, plan))
+        with psycopg.connect(partitioned_url) as conn:
+            return {name: partition_bounds(conn, name)[0] for name, _ in opened}
+
+    plan = partitioned_claim_plan(partitioned_url, start_at)
+    walked = walked_partitions(plan)
+    assert walked, plan
+    assert min(walked.values()) >= floor - MINUTE, f"a partition below the floor opened:\n{plan}"
+    assert not set(walked) & set(old), plan
+    # Without the floor (a refused claim's second run), the walks open them all.
+    floorless = walked_partitions(
+        partitioned_claim_plan(partitioned_url, start_at, floor_cap="-infinity")
+    )
+    assert set(old) <= set(floorless)
+    # Behind a transaction pooler, with its values in place: the same 50 rows, not refused.
+    key = StartKey(start_at, MIN_SEQ, start_at, ceiling="-infinity", floor_cap="infinity")
+    with relay_session(partitioned_url) as conn:
+        found = conn.execute(claim_with_values(NAMES, 500, 20, key, partitioned=True)).fetchall()
+        conn.rollback()
+    assert len([row for row in found if row[0] is False]) == 50
+    assert found[-1][9] == 0  # not refused
+
+
+def test_a_late_row_below_the_walks_floor_refuses_the_claim_which_runs_again_without_it(
+    partitioned_url, stream, relays
+):
+    relay = start(relays, partitioned_url)
+    subject = stream.subject("a.b")
+    database.insert(partitioned_url, [Event(subject, "before")])
+    wait_until(lambda: database.unpublished_count(partitioned_url) == 0, message="first row")
+    wait_until(lambda: relay.metric("outbox_relay_claims_bounded") == 1, message="a start key")
+    # A row created ten minutes ago, inserted now (flagged late), and a row of its
+    # subject after it, in one transaction: the late row lies below every floor.
+    past = add_past_partition(partitioned_url, 10)
+    late_id, next_id = uuid.uuid4(), uuid.uuid4()
+    with psycopg.connect(partitioned_url) as conn:
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, "
+            "created_at) values (%s, %s, 't', 'entity', now(), '{}', "
+            "to_timestamp(%s) + interval '1 second')",
+            (late_id, subject, partition_bounds(conn, past)[0]),
+        )
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data) "
+            "values (%s, %s, 't', 'entity', now(), '{}')",
+            (next_id, subject),
+        )
+    wait_until(
+        lambda: database.unpublished_count(partitioned_url) == 0,
+        message="the late row and the one after it published",
+    )
+    ids = [m.envelope["id"] for m in stream.read_all() if m.envelope["subject"] == "entity"]
+    assert ids == [str(late_id), str(next_id)]
+    assert relay.metric("outbox_relay_claims_below_floor_total") >= 1
 
 
 def insert_from_the_future(

@@ -179,3 +179,26 @@ def test_claims_look_beyond_their_reach_once_a_second_and_go_to_the_end_while_ro
 def test_the_ceiling_is_not_part_of_where_the_walks_start():
     key = StartKey("t", 7, "s")
     assert replace(key, ceiling="-infinity", beyond_from="-infinity") == key
+
+
+def test_walks_from_a_start_key_begin_at_its_floor_and_a_refused_claim_goes_without():
+    start = ClaimStart()
+    assert start.sending(0.0).floor_cap == "-infinity"  # from the first entry: no floor
+    sent(start, 0.0, beyond=False)
+    sent(start, 0.1, beyond=False)
+    key = start.sending(0.2)
+    assert key != FROM_FIRST_ENTRY
+    assert key.floor_cap == "infinity"
+    again = ClaimStart.without_floor(key)
+    assert again.floor_cap == "-infinity"
+    # The same walks from the same start, only without the floor; and the floor is
+    # no part of a key's identity.
+    assert again == key
+    assert (again.start_at, again.bound_at, again.ceiling, again.beyond_from) == (
+        key.start_at,
+        key.bound_at,
+        key.ceiling,
+        key.beyond_from,
+    )
+    # Nothing of the refused claim was observed: the next claim has its floor again.
+    assert start.sending(0.3).floor_cap == "infinity"

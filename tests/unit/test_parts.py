@@ -60,7 +60,7 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     prepared = claim_preparation(names, statement).as_string()
     assert prepared.startswith(
         'prepare "outbox_relay_claim" (integer, integer, timestamptz, bigint, timestamptz, '
-        "timestamptz, xid8[], timestamptz[], timestamptz, timestamptz) as\n"
+        "timestamptz, xid8[], timestamptz[], timestamptz, timestamptz, timestamptz) as\n"
     )
     assert "%(" not in prepared
     assert prepared.count("$1") == 2  # batch_size: the horizon's offset, the limit
@@ -69,13 +69,22 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     assert prepared.count("$2") == 4
     # the start key once, in walk_from; each part of the bound once, in "bound"
     assert [prepared.count(f"${i}") for i in (3, 4, 5, 6, 7, 8)] == [1, 1, 1, 1, 1, 1]
-    # a plain table's walks have no ceiling, and its claim looks for nothing beyond
-    assert [prepared.count(f"${i}") for i in (9, 10)] == [0, 0]
+    # a plain table's walks have no ceiling and no floor, and its claim looks for
+    # nothing beyond
+    assert [prepared.count(f"${i}") for i in (9, 10, 11)] == [0, 0, 0]
+    assert "floor_refusal" not in prepared
     assert '"billing"."Outbox"' in prepared
     start = StartKey("2026-12-04 10:00:00.000001+00", 7, "2026-12-04 10:00:01+00")
     assert claim_execution(statement, 500, 20, start).as_string() == (
         "begin; execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
-        "'2026-12-04 10:00:01+00', '-infinity', '{}', '{}', 'infinity', 'infinity')"
+        "'2026-12-04 10:00:01+00', '-infinity', '{}', '{}', 'infinity', 'infinity', "
+        "'-infinity')"
+    )
+    # Within the transaction open (a claim run again without its floor): no BEGIN.
+    assert (
+        claim_execution(statement, 500, 20, start, begin=False)
+        .as_string()
+        .startswith('execute "outbox_relay_claim" (500, 20, ')
     )
 
 
@@ -86,6 +95,16 @@ def test_a_partitioned_tables_claim_bounds_every_walk_by_the_ceiling():
     # claimed rows', both walks ahead, and the probe for a waiting row (in two scans)
     assert prepared.count("greatest(statement_timestamp() + interval '61.0 seconds', $9)") == 8
     assert prepared.count("$10") == 1  # the look beyond, in the summary
+    # The walks from the start (the start's, the horizon's, the claimed rows', both
+    # walks ahead) begin at the floor, and the refusal compares the walks' start with
+    # it: not the late rows' lookup nor the probe, whose rows may lie anywhere.
+    floor = (
+        "least(least($3::timestamptz,\n      greatest($5::timestamptz, $6::timestamptz) - "
+        "interval '1.0 seconds')\n  - interval '61.0 seconds', $11)"
+    )
+    assert prepared.count(floor) == 6
+    assert prepared.count("$11") == 6
+    assert "not (select refused from floor_refusal)" in prepared
     assert "{" not in prepared.replace("'{}'", "").replace("'{{}}'", "")
 
 
