@@ -57,7 +57,8 @@ class NewPartition:
 
 def opened_by_claims(partitions: Sequence[Partition], now: float) -> int:
     """How many of ``partitions`` every claim opens: those that start within the
-    claims' reach of ``now`` (the partitions ahead past it are pruned)."""
+    claims' reach of ``now`` (the partitions ahead past it are pruned; those behind
+    the walks' floor are opened by the lookups of late and dead rows alone)."""
     reach = now + LATE_INSERT_SECONDS + CLAIM_REACH_MARGIN_SECONDS
     return sum(1 for p in partitions if p.start is None or p.start <= reach)
 
@@ -173,9 +174,9 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
                     warned = True
                     log.warning(
                         "%s has %d partitions up to a minute past now: every claim opens "
-                        "each of them, which costs the claim about 50us a partition "
-                        "(docs/partitions.md); a longer period, or a shorter --retention, "
-                        "makes fewer",
+                        "each of them to look for late and dead rows, which costs the claim "
+                        "about 10us a partition (docs/partitions.md); a longer period, or a "
+                        "shorter --retention, makes fewer",
                         config.table_display,
                         opened,
                     )

@@ -365,6 +365,8 @@ PARTITIONED_ONLY = {
     "floor_refusal": "",
     "refusal": "",
     "refused": "null",
+    "dead_below": "",
+    "past_dead_below": "",
 }
 
 

@@ -23,6 +23,7 @@ and not exists (
          and b.relay_retry_at > now()
          and (b.created_at, b.relay_seq) < ({row}.created_at, {row}.relay_seq)
          and b.created_at <= {row}.created_at
+         {walk_floor(b)}
          {walk_ceiling(b)}
       offset 0)
 
@@ -81,6 +82,27 @@ least({start_at}::timestamptz,
 floor_refusal as materialized (
   select (select created_at from walk_from) < least({raw_floor(k)}, {floor_cap}) as refused
 ),
+
+-- fragment: dead_below
+-- On a partitioned table, a CTE ({row} is its alias): the subjects of the rows that
+-- wait or are dead below the walks' floor, read once a claim. The probe of claimable
+-- for an earlier waiting row of a subject begins at the floor, so that it does not
+-- open every partition behind it once for each row the claim considers: every row
+-- still to publish that the claim can see lies above the floor, or the claim is
+-- refused, so below it only dead rows remain, which hold their subjects for good.
+-- The waiting index holds nothing else (published and skipped rows leave it).
+dead_below as materialized (
+  select {row}.subject
+    from {table} {row}
+   where {row}.relay_retry_at > now()
+     and {row}.created_at < least({raw_floor(k)}, {floor_cap})
+),
+
+-- fragment: past_dead_below
+-- On a partitioned table, beside claimable: that no row below the walks' floor
+-- holds this row's subject ({row} is its alias; dead_below says why). Fence: "is not true" keeps
+-- this a hashed subplan, as in the claim's blockers.
+and ({row}.subject in (select subject from dead_below)) is not true
 
 -- fragment: refusal
 -- On a partitioned table, the start's condition that the claim was not refused
@@ -212,6 +234,7 @@ walk_from as materialized (
    limit 1
 ),
 {floor_refusal(u)}
+{dead_below(d)}
 start as materialized (
   select s.created_at, s.relay_seq
     from {table} s
@@ -232,6 +255,7 @@ horizon as materialized (
   select h.created_at, h.relay_seq
     from {table} h
    where {claimable(h)}
+     {past_dead_below(h)}
      and (h.created_at, h.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
      and h.created_at >= (select created_at from start)
@@ -247,6 +271,7 @@ claimed as materialized (
          o.traceparent, o.tracestate, o.headers::text as headers
     from {table} o
    where {claimable(o)}
+     {past_dead_below(o)}
      and (o.created_at, o.relay_seq)
          >= ((select created_at from start), (select relay_seq from start))
      and o.created_at >= (select created_at from start)

@@ -1,13 +1,13 @@
 """What a partitioned outbox table costs the relay's claim and mark, by how many
 partitions it has: the claim as the relay runs it (prepared, past its custom plans,
-from a start key a few seconds back, with the relay's session settings; and
-without its walks' floor, as before it had one) and a mark
-of one row, each ``--count`` times, on a plain table and on one partitioned by the
-minute with the same rows (``--rows`` spent rows a past partition, a few live ones
-now), in a scratch database on ``--database-url`` (default: the shared server's).
-Prints the wall time per statement, client included, and the ratio.
+from a start key a few seconds back, with the relay's session settings), the same
+claim without its walks' floor (as before it had one), and a mark of one row, each
+``--count`` times, on a plain table and on one partitioned by the minute with the
+same rows (``--rows`` spent rows a past partition, ``--live`` rows to publish now),
+in a scratch database on ``--database-url`` (default: the shared server's). Prints
+the wall time per statement, client included, and the ratio to the plain table's.
 
-    python -m relay_tools.bench.partition_cost --partitions 4,13,33,63
+    python -m relay_tools.bench.partition_cost --partitions 4,13,33,63 [--live 500]
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from relay_tools.bench.harness import with_database
 AHEAD = 2  # future partitions, as --partitions-ahead keeps them (--ahead)
 
 
-def _fill(url: str, names: Names, past: int, rows: int) -> None:
-    """``rows`` spent rows in each of ``past`` minutes, and three live rows now."""
+def _fill(url: str, names: Names, past: int, rows: int, live: int = 3) -> None:
+    """``rows`` spent rows in each of ``past`` minutes, and ``live`` rows now."""
     minute = int(time.time() // 60) * 60
     table = names.table
     with psycopg.connect(url, autocommit=True) as conn:
@@ -54,8 +54,9 @@ def _fill(url: str, names: Names, past: int, rows: int) -> None:
             sql.SQL(
                 "insert into {} (id, event_type, source, subject, time, data) "
                 "select gen_random_uuid(), 'a', 's', 'x' || g, now(), '{{}}' "
-                "from generate_series(1, 3) g"
-            ).format(table)
+                "from generate_series(1, %s) g"
+            ).format(table),
+            (live,),
         )
         conn.execute(sql.SQL("analyze {}").format(table))
 
@@ -130,7 +131,9 @@ def _time_statements(
     return claim_seconds, mark_seconds
 
 
-def measure(server_url: str, counts: list[int], rows: int, count: int, ahead: int) -> None:
+def measure(
+    server_url: str, counts: list[int], rows: int, count: int, ahead: int, *, live: int = 3
+) -> None:
     name = f"outbox_relay_bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(server_url, autocommit=True) as conn:
         conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
@@ -148,7 +151,7 @@ def measure(server_url: str, counts: list[int], rows: int, count: int, ahead: in
                         sql.Identifier(schema)))  # fmt: skip
                     conn.execute(sql.SQL("create schema {}").format(sql.Identifier(schema)))
                 _install(url, names, n, ahead)
-                _fill(url, names, max(partitions - ahead - 1, 1), rows)
+                _fill(url, names, max(partitions - ahead - 1, 1), rows, live)
                 figures.append(_time_statements(url, names, count, n > 0))
             floorless, _ = _time_statements(url, names, count, True, floor=False)
             (claim_plain, mark_plain), (claim_parts, mark_parts) = figures
@@ -174,9 +177,12 @@ def main() -> None:
     parser.add_argument(
         "--ahead", type=int, default=AHEAD, help="of the partitions, how many past this one"
     )
+    parser.add_argument(
+        "--live", type=int, default=3, help="rows to publish now (a claim takes up to 500)"
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.partitions.split(",")]
-    measure(args.database_url, counts, args.rows, args.count, args.ahead)
+    measure(args.database_url, counts, args.rows, args.count, args.ahead, live=args.live)
 
 
 if __name__ == "__main__":

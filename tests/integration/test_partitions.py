@@ -346,9 +346,9 @@ def test_the_claim_walks_only_the_partitions_from_its_start_key(partitioned_url,
         found = re.search(
             r"on (outbox_events_p\w+) (\w+)_\d+ \(actual rows=(\d+) loops=(\d+)\)", line
         )
-        # Two lookups are in every partition by design, each one index descent: a
-        # late row (alias l) and a row of the subject waiting (b) may be anywhere.
-        if found and found.group(2) not in ("l", "b"):
+        # Two lookups are in every partition behind the floor by design, each one
+        # index descent: a late row (alias l) and a dead row (d) may be anywhere.
+        if found and found.group(2) not in ("l", "d"):
             walked += 1
             assert found.group(1) not in old, f"read before the start key: {line}\n{plan}"
         if found:
@@ -399,8 +399,9 @@ def test_the_claim_opens_no_partition_past_its_reach(partitioned_url):
 def test_the_claim_opens_no_partition_below_its_floor(partitioned_url):
     # Twelve minutes of spent partitions behind the start key, as a week of hourly
     # ones would be. The walks from the start begin at the floor (the start key less
-    # the claim's reach): only the late rows' lookup and the probe for a waiting row
-    # of a subject (aliases l and b), whose rows may be anywhere, open those.
+    # the claim's reach), and so does the probe for an earlier waiting row of a
+    # subject (alias b): only the lookups of late rows and of dead ones (aliases l and
+    # d), whose rows may be anywhere, open those.
     old = [add_past_partition(partitioned_url, minutes) for minutes in range(14, 2, -1)]
     for name in old:
         insert_into_partition(partitioned_url, name, published=True)
@@ -412,7 +413,7 @@ def test_the_claim_opens_no_partition_below_its_floor(partitioned_url):
 
     def walked_partitions(plan: str) -> dict[str, float]:
         """The partitions the walks opened (those pruned when the claim ran too)."""
-        walk = r" on (outbox_events_p\w+) ([ac-km-z]|[a-z]{2,})_\d+ \((?:actual|never)"
+        walk = r" on (outbox_events_p\w+) ([a-ce-km-z]|[a-z]{2,})_\d+ \((?:actual|never)"
         opened = set(re.findall(walk, plan))
         with psycopg.connect(partitioned_url) as conn:
             return {name: partition_bounds(conn, name)[0] for name, _ in opened}
@@ -467,6 +468,48 @@ def test_a_late_row_below_the_walks_floor_refuses_the_claim_which_runs_again_wit
     ids = [m.envelope["id"] for m in stream.read_all() if m.envelope["subject"] == "entity"]
     assert ids == [str(late_id), str(next_id)]
     assert relay.metric("outbox_relay_claims_below_floor_total") >= 1
+
+
+def test_a_dead_row_below_the_walks_floor_still_holds_its_subject(partitioned_url, stream, relays):
+    # The probe for an earlier waiting row of a subject begins at the floor; a dead
+    # row ten minutes back lies below it, and must hold its subject all the same.
+    relay = start(relays, partitioned_url)
+    subject = stream.subject("a.b")
+    database.insert(partitioned_url, [Event(subject, "before")])
+    wait_until(lambda: database.unpublished_count(partitioned_url) == 0, message="first row")
+    wait_until(lambda: relay.metric("outbox_relay_claims_bounded") == 1, message="a start key")
+    past = add_past_partition(partitioned_url, 10)
+    dead_id, held_id, other_id = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    with psycopg.connect(partitioned_url) as conn:
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, "
+            "created_at, attempts, relay_retry_at, relay_dead_at, relay_last_error) "
+            "values (%s, %s, 't', 'entity', now(), '{}', to_timestamp(%s) + interval '1 second', "
+            "1, 'infinity', now(), 'rejected')",
+            (dead_id, subject, partition_bounds(conn, past)[0]),
+        )
+    # Its subject's next row, then another subject's: once the second is published,
+    # a claim has walked past the first.
+    database.insert_in_order(
+        partitioned_url,
+        [Event(subject, "entity", id=held_id), Event(subject, "other", id=other_id)],
+    )
+
+    def published(row_id: uuid.UUID) -> bool:
+        return database.fetch(
+            partitioned_url,
+            "select published_at is not null from outbox_events where id = %s",
+            (row_id,),
+        ) == [(True,)]
+
+    wait_until(lambda: published(other_id), message="the other subject's row published")
+    assert not published(held_id), "published past its subject's dead row"
+    run_cli(partitioned_url, "skip", "--id", str(dead_id), "--execute")
+    wait_until(
+        lambda: published(held_id), message="the held row published once the dead one was skipped"
+    )
+    ids = [m.envelope["id"] for m in stream.read_all() if m.envelope["subject"] == "entity"]
+    assert ids == [str(held_id)]
 
 
 def insert_from_the_future(

@@ -96,15 +96,17 @@ def test_a_partitioned_tables_claim_bounds_every_walk_by_the_ceiling():
     assert prepared.count("greatest(statement_timestamp() + interval '61.0 seconds', $9)") == 8
     assert prepared.count("$10") == 1  # the look beyond, in the summary
     # The walks from the start (the start's, the horizon's, the claimed rows', both
-    # walks ahead) begin at the floor, and the refusal compares the walks' start with
-    # it: not the late rows' lookup nor the probe, whose rows may lie anywhere.
+    # walks ahead) and the probe for a waiting row (in two scans) begin at the floor;
+    # the refusal compares the walks' start with it, and the dead rows' subjects are
+    # read below it. Not the late rows' lookup: those may lie anywhere.
     floor = (
         "least(least($3::timestamptz,\n      greatest($5::timestamptz, $6::timestamptz) - "
         "interval '1.0 seconds')\n  - interval '61.0 seconds', $11)"
     )
-    assert prepared.count(floor) == 6
-    assert prepared.count("$11") == 6
+    assert prepared.count(floor) == 9
+    assert prepared.count("$11") == 9
     assert "not (select refused from floor_refusal)" in prepared
+    assert prepared.count("in (select subject from dead_below)) is not true") == 2
     assert "{" not in prepared.replace("'{}'", "").replace("'{{}}'", "")
 
 
