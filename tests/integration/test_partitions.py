@@ -396,6 +396,30 @@ def test_the_claim_opens_no_partition_past_its_reach(partitioned_url):
     assert max(lifted.values()) >= now + 15 * MINUTE
 
 
+def test_the_claim_is_never_planned_with_its_values_not_even_after_a_new_partition(
+    partitioned_url,
+):
+    # Planned with its values, a claim on a table of a few partitions costs several
+    # times a run of its generic plan, and Postgres would plan five so after each
+    # new or dropped partition.
+    [(start_at,)] = database.fetch(partitioned_url, "select now()::text")
+    start = StartKey(start_at, MIN_SEQ, start_at, ceiling="-infinity", floor_cap="infinity")
+    statement = PARTITIONED_CLAIM_STATEMENT
+    with relay_session(partitioned_url) as conn:
+        conn.autocommit = True
+        conn.execute(claim_preparation(NAMES, statement, partitioned=True))
+        for step in range(8):
+            if step == 4:
+                add_past_partition(partitioned_url, 20)
+            conn.execute(claim_execution(statement, 500, 20, start))
+            conn.execute("rollback")
+        plans = conn.execute(
+            "select generic_plans, custom_plans from pg_prepared_statements where name = %s",
+            ("outbox_relay_claim_partitioned",),
+        ).fetchall()
+    assert plans == [(8, 0)]
+
+
 def test_the_claim_opens_no_partition_below_its_floor(partitioned_url):
     # Twelve minutes of spent partitions behind the start key, as a week of hourly
     # ones would be. The walks from the start begin at the floor (the start key less
