@@ -11,7 +11,9 @@ At each rate, pgbench's clients commit single-row transactions (``-R``, spread o
   read from another database so that the reads are not counted;
 - p50/p99 from the producer transaction's start (the envelope's ``time``, its
   now()) to the consumer's arrival (a core NATS subscription on the stream's
-  subjects; one clock, one machine);
+  subjects; one clock, one machine), and from its commit (the commit time Postgres
+  keeps with ``track_commit_timestamp``, of a transaction a trigger names in a side
+  table: the row's own xmin is the relay's mark's by then);
 - lost events (committed, not arrived within 30 s of the end);
 - with ``--window``, CPU per event in each window of that length (does it grow?).
 
@@ -65,7 +67,24 @@ POSTGRES_SETTINGS = (
     "shared_preload_libraries = 'pg_stat_statements'",
     "pg_stat_statements.track = top",
     "pg_stat_statements.max = 5000",
+    "track_commit_timestamp = on",
 )
+# Each producer transaction's id, kept where the relay's marks never rewrite it: the
+# row's xmin then names the producer's transaction, whose commit time Postgres keeps
+# (track_commit_timestamp), for the latency from the commit itself. The trigger's
+# insert is the producers' cost alike for every build.
+_COMMITS = """
+create table if not exists bench_commits (id uuid);
+truncate bench_commits;
+create or replace function bench_commit_id() returns trigger language plpgsql as $$
+begin
+  insert into bench_commits values (new.id);
+  return null;
+end $$;
+drop trigger if exists bench_commit_id on outbox_events;
+create trigger bench_commit_id after insert on outbox_events
+  for each row execute function bench_commit_id();
+"""
 _COUNTS = """
 select d.xact_commit + d.xact_rollback,
        coalesce((select sum(s.calls) from pg_stat_statements s where s.dbid = d.datid), 0),
@@ -117,6 +136,10 @@ class SteadyRow:
     p50_ms: float
     p99_ms: float
     lost: int
+    # From the producer transaction's commit (its commit time, as Postgres keeps it),
+    # None where the server keeps none.
+    commit_p50_ms: float | None = None
+    commit_p99_ms: float | None = None
     windows_us_per_event: list[float] = field(default_factory=list)
     # The most called statements in the window, per event (the producers' insert too).
     top_statements: list[tuple[float, str]] = field(default_factory=list)
@@ -168,6 +191,15 @@ class Arrivals:
 
     def written_between(self, start: float, end: float) -> list[tuple[float, float]]:
         return [(w, a) for w, a in self.events.values() if start <= w < end]
+
+    def from_commit(self, commits: dict[str, float], start: float, end: float) -> list[float]:
+        """Seconds from each commit to its arrival, for the events written between
+        ``start`` and ``end`` whose commit time is known."""
+        return [
+            arrived - commits[event_id]
+            for event_id, (written, arrived) in self.events.items()
+            if start <= written < end and event_id in commits
+        ]
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -260,6 +292,8 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
     process: a Python producer at 3,000/s took half a core of the bench's), warmed
     up, measured, stopped."""
     await target.reset()
+    async with await psycopg.AsyncConnection.connect(target.url, autocommit=True) as conn:
+        await conn.execute(_COMMITS)
     relays = [target.relay() for _ in range(plan.replicas)]
     script = _pgbench_script(target, plan)
     async with contextlib.AsyncExitStack() as stack:
@@ -292,6 +326,7 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
         if producing.returncode:
             raise RuntimeError(f"pgbench failed: {errors.decode(errors='replace')[-500:]}")
         committed = await _committed_ids(target)
+        commits = await _commit_times(target)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(ARRIVAL_TIMEOUT):
                 while not committed <= arrivals.events.keys():  # noqa: ASYNC110
@@ -307,6 +342,7 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
         for i in range(len(cpu_at) - 1)
     ]
     latencies = [arrived - written for written, arrived in measured]
+    from_commit = arrivals.from_commit(commits, times[0], times[-1])
     inserts = counts_after[2]
     transactions = counts_after[0] - counts_before[0] - inserts
     statements = counts_after[1] - inserts
@@ -322,6 +358,8 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
         statements_per_event=statements / max(1, events),
         p50_ms=_percentile(latencies, 0.5) * 1000,
         p99_ms=_percentile(latencies, 0.99) * 1000,
+        commit_p50_ms=_percentile(from_commit, 0.5) * 1000 if from_commit else None,
+        commit_p99_ms=_percentile(from_commit, 0.99) * 1000 if from_commit else None,
         lost=len(committed - arrivals.events.keys()),
         windows_us_per_event=windows if plan.window else [],
         top_statements=[(calls / max(1, events), text) for calls, text in counts_after[3]],
@@ -332,6 +370,21 @@ async def _stopped(process: asyncio.subprocess.Process) -> None:
     if process.returncode is None:
         process.terminate()
         await process.wait()
+
+
+async def _commit_times(target: Target) -> dict[str, float]:
+    """Each producer transaction's commit time (epoch seconds) by event id; empty
+    where the server keeps no commit times (a --database-url without
+    track_commit_timestamp)."""
+    async with await psycopg.AsyncConnection.connect(target.url, autocommit=True) as conn:
+        try:
+            cursor = await conn.execute(
+                "select id::text, extract(epoch from pg_xact_commit_timestamp(xmin))::float8 "
+                "from bench_commits"
+            )
+        except psycopg.Error:
+            return {}
+        return {row[0]: row[1] for row in await cursor.fetchall() if row[1] is not None}
 
 
 async def _committed_ids(target: Target) -> set[str]:
@@ -393,9 +446,15 @@ async def steady(
 
 HEADER = (
     "| build | table | offered/s | committed/s | relays | relay CPU | CPU per event "
-    "| DB transactions per event | statements per event | p50 | p99 | lost |\n"
-    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    "| DB transactions per event | statements per event | p50 | p99 "
+    "| p50 from commit | p99 from commit | lost |\n"
+    "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+    "| ---: | ---: | ---: |"
 )
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} ms"
 
 
 def render_row(row: SteadyRow, *, show_statements: bool = False) -> str:
@@ -403,7 +462,8 @@ def render_row(row: SteadyRow, *, show_statements: bool = False) -> str:
         f"| {row.build} | {row.layout} | {row.rate:,.0f} | {row.committed_per_s:,.0f} "
         f"| {row.replicas} | {row.cpu_percent:.1f}% | {row.us_per_event:,.0f} µs "
         f"| {row.transactions_per_event:.2f} | {row.statements_per_event:.2f} "
-        f"| {row.p50_ms:.2f} ms | {row.p99_ms:.2f} ms | {row.lost} |"
+        f"| {row.p50_ms:.2f} ms | {row.p99_ms:.2f} ms "
+        f"| {_ms(row.commit_p50_ms)} | {_ms(row.commit_p99_ms)} | {row.lost} |"
     )
     if show_statements:
         line += "".join(f"\n    {per:6.3f} per event: {text}" for per, text in row.top_statements)
