@@ -365,8 +365,7 @@ class Transaction:
                     self._names, batch_size, max_attempts, start, partitioned=partitioned
                 )
             await cursor.execute(text)
-            if begin:
-                cursor.nextset()  # past the BEGIN's result
+            leading = 2 if begin else 0  # the BEGIN's result and the settings'
         else:
             statement = PARTITIONED_CLAIM_STATEMENT if partitioned else CLAIM_STATEMENT
             prepared = self._prepared.setdefault(conn, set())
@@ -383,8 +382,9 @@ class Transaction:
                 # batch fails and is retried, and the next claim prepares it again.
                 self._prepared.pop(conn, None)
                 raise
-        if begin:
-            cursor.nextset()  # past the BEGIN's (or the settings') result, to the rows
+            leading = 2 if begin else 1  # the BEGIN's result, the plan_cache_mode's
+        for _ in range(leading):
+            cursor.nextset()
         return await cursor.fetchall()
 
     async def mark_and_commit(
@@ -448,12 +448,6 @@ class Database:
             # as the table grew (docs/performance.md). Off only weighs the planner
             # against it: a query with no index to use still scans.
             "enable_seqscan": "off",
-            # The claim, the one statement the relay prepares, runs on its generic plan
-            # from the first execution: Postgres would plan the first five with their
-            # values (and again after each invalidation, which a partitioned table's
-            # every new or dropped partition is), 6 ms each against 1.2 ms for a run of
-            # the generic plan on a table of 9 partitions (docs/partitions.md).
-            "plan_cache_mode": "force_generic_plan",
             # A mark lost in a Postgres crash only republishes its rows, with the
             # same Nats-Msg-Id (at-least-once, deduped): not worth a WAL flush wait
             # per batch. Producers' commits are theirs.

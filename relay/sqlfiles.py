@@ -460,12 +460,21 @@ def claim_execution(
     start: StartKey,
     *,
     begin: bool = True,
+    plan_cache_mode: str = "force_generic_plan",
 ) -> sql.Composed:
     """Open the batch's transaction and run the prepared claim: one message, one
-    round trip (without ``begin``, the claim alone, in the transaction open)."""
+    round trip (without ``begin``, the claim alone, in the transaction open).
+
+    The claim runs on its generic plan from its first execution, and the setting
+    that says so holds for the claim alone: Postgres would plan the first five
+    executions with their values, and five again after each invalidation (on a
+    partitioned table, every new or dropped partition), each costing several runs of
+    the generic plan (docs/partitions.md); the marks and the other tasks' statements
+    are planned with their values, as they should be."""
     values = claim_parameters(batch_size, max_attempts, start).values()
-    return sql.SQL("begin; execute {} ({})" if begin else "execute {} ({})").format(
-        statement, sql.SQL(", ").join(sql.Literal(v) for v in values)
+    text = "set local plan_cache_mode = {}; execute {} ({}); set local plan_cache_mode = default"
+    return sql.SQL(f"begin; {text}" if begin else text).format(
+        sql.SQL(plan_cache_mode), statement, sql.SQL(", ").join(sql.Literal(v) for v in values)
     )
 
 

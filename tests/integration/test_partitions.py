@@ -300,7 +300,8 @@ def partitioned_claim_plan(
     with relay_session(url) as conn:
         conn.autocommit = True
         conn.execute(claim_preparation(NAMES, statement, partitioned=True))
-        # Past the five custom plans, onto the generic plan the relay keeps using.
+        # The generic plan, which the relay's claims always run on (claim_execution).
+        conn.execute("set plan_cache_mode = force_generic_plan")
         for _ in range(6):
             conn.execute("begin")
             conn.execute(claim_execution(statement, 500, 20, start))

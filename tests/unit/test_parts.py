@@ -76,15 +76,16 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     assert '"billing"."Outbox"' in prepared
     start = StartKey("2026-12-04 10:00:00.000001+00", 7, "2026-12-04 10:00:01+00")
     assert claim_execution(statement, 500, 20, start).as_string() == (
-        "begin; execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
+        "begin; set local plan_cache_mode = force_generic_plan; "
+        "execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
         "'2026-12-04 10:00:01+00', '-infinity', '{}', '{}', 'infinity', 'infinity', "
-        "'-infinity')"
+        "'-infinity'); set local plan_cache_mode = default"
     )
     # Within the transaction open (a claim run again without its floor): no BEGIN.
     assert (
         claim_execution(statement, 500, 20, start, begin=False)
         .as_string()
-        .startswith('execute "outbox_relay_claim" (500, 20, ')
+        .startswith('set local plan_cache_mode = force_generic_plan; execute "outbox_relay_claim"')
     )
 
 
