@@ -73,13 +73,6 @@ def sleep_retry_pause(busy_streak: int) -> float:
     return min(0.001 * 2.0 ** min(busy_streak - 2, 30), SLEEP_RETRY_MAX)
 
 
-# While another relay holds the sleep lock, it answers each notification: this one
-# answers only after this long, with one claim for every notification meanwhile, in
-# case that relay cannot (frozen, or its batch stuck). Answering each at once made
-# three relays cost twice what one does at 1,000 events/s (docs/performance.md).
-OTHER_RELAY_ANSWERS_AFTER = 0.02
-
-
 # When every claimed row had to wait for another relay's batch, try again after this
 # long rather than at once: the other batch is done within publish_timeout, and
 # re-claiming in a tight loop would only burn both databases' CPU.
@@ -249,10 +242,11 @@ class Scheduler:
                     await self._sleep_until_woken()
                 continue
             if sleep is Sleep.SAFE_OTHER:
-                woken = await self._sleep_behind_another_relay(stopping)
-                if woken is None:
+                if await self.drain(stopping):
+                    self._listener.wake_up()  # rows came in: not asleep after all
                     continue
-                reasons = woken
+                self._metrics.sleeps.inc()
+                reasons = await self._wakeup.wait()
             elif sleep is Sleep.BUSY:
                 # Producers are mid-transaction and may have skipped their notify:
                 # claim again soon instead of sleeping through their commit. The
@@ -265,21 +259,6 @@ class Scheduler:
             # The sleep lock goes after the first batch (see _awake).
             self._woken = True
             self._count(reasons)
-
-    async def _sleep_behind_another_relay(self, stopping: trio.Event) -> frozenset[str] | None:
-        """Another relay holds the sleep lock: claim once more, then sleep until woken;
-        the reasons (None: rows came in, not asleep after all). That relay answers
-        each notification; this one answers only after it has had its turn."""
-        if await self.drain(stopping):
-            self._listener.wake_up()
-            return None
-        self._metrics.sleeps.inc()
-        reasons = await self._wakeup.wait()
-        if reasons == {"notify"}:
-            with trio.move_on_after(OTHER_RELAY_ANSWERS_AFTER):
-                await stopping.wait()
-            reasons |= self._wakeup.take()
-        return reasons
 
     def _lock_kept(self) -> bool:
         return self._kept is not None and self._listener.holds(self._kept)

@@ -26,7 +26,6 @@ from relay.scheduler import (
     BATCHES_IN_FLIGHT,
     LIGHT_BATCH,
     LINGER_MAX,
-    OTHER_RELAY_ANSWERS_AFTER,
     SLEEP_RETRY_MAX,
     Scheduler,
     sleep_retry_pause,
@@ -236,36 +235,6 @@ def test_busy_claims_again_with_a_pause_that_grows_to_a_cap():
             assert later - earlier == pytest.approx(sleep_retry_pause(streak) + BATCH_TIME)
         assert sleep_retry_pause(12) == SLEEP_RETRY_MAX
         assert world.metric("outbox_relay_sleeps_total") == 1
-
-    run(test)
-
-
-def test_while_another_relay_holds_the_lock_notifications_are_answered_late_and_together():
-    async def test(world: World) -> None:
-        world.lock.answers = [Sleep.SAFE_OTHER] * 3
-        await world.asleep()
-        # At rest: a claim, the lock (another relay's), a claim, asleep.
-        assert world.table.events == ["claim", "prepare_sleep", "claim"]
-        # A burst of notifications, which the relay holding the lock answers: this
-        # one claims once, only after waiting its turn.
-        woken_at = trio.current_time()
-        for _ in range(5):
-            world.wakeup.set("notify")
-            await trio.sleep(OTHER_RELAY_ANSWERS_AFTER / 10)
-        world.table.pending = 1  # that relay could not take it: this one does
-        await world.asleep()
-        first_claim = next(t for t, _ in world.table.claims if t > woken_at)
-        assert first_claim - woken_at == pytest.approx(OTHER_RELAY_ANSWERS_AFTER)
-        assert world.table.pending == 0
-        # One claim for the five notifications.
-        assert [t for t, _ in world.table.claims].count(first_claim) == 1
-        assert world.metric("outbox_relay_wakeups_total", reason="notify") == 1
-        # A poll is answered at once.
-        world.table.pending = 1
-        polled_at = trio.current_time()
-        world.wakeup.set("poll")
-        await world.asleep()
-        assert next(t for t, _ in world.table.claims if t >= polled_at) == polled_at
 
     run(test)
 
