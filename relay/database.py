@@ -86,6 +86,8 @@ CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim")
 # under a name of its own: a table migrated to partitions under a running relay
 # finds the plain one prepared on its connections.
 PARTITIONED_CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim_partitioned")
+# A partitioned table's claim runs on its generic plan always (claim_execution).
+GENERIC_PLAN = "force_generic_plan"
 
 # How long giving a connection back may take (its rollback) before the connection
 # is taken for dead and closed.
@@ -374,7 +376,14 @@ class Transaction:
                     claim_preparation(self._names, statement, partitioned=partitioned)
                 )
                 prepared.add(partitioned)
-            execution = claim_execution(statement, batch_size, max_attempts, start, begin=begin)
+            execution = claim_execution(
+                statement,
+                batch_size,
+                max_attempts,
+                start,
+                begin=begin,
+                plan_cache_mode=GENERIC_PLAN if partitioned else None,
+            )
             try:
                 await cursor.execute(execution)
             except psycopg.errors.InvalidSqlStatementName:
@@ -382,7 +391,8 @@ class Transaction:
                 # batch fails and is retried, and the next claim prepares it again.
                 self._prepared.pop(conn, None)
                 raise
-            leading = 2 if begin else 1  # the BEGIN's result, the plan_cache_mode's
+            # The BEGIN's result, and the plan_cache_mode's.
+            leading = int(begin) + int(partitioned)
         for _ in range(leading):
             cursor.nextset()
         return await cursor.fetchall()

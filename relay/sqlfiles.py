@@ -460,22 +460,26 @@ def claim_execution(
     start: StartKey,
     *,
     begin: bool = True,
-    plan_cache_mode: str = "force_generic_plan",
+    plan_cache_mode: str | None = None,
 ) -> sql.Composed:
     """Open the batch's transaction and run the prepared claim: one message, one
     round trip (without ``begin``, the claim alone, in the transaction open).
 
-    The claim runs on its generic plan from its first execution, and the setting
-    that says so holds for the claim alone: Postgres would plan the first five
-    executions with their values, and five again after each invalidation (on a
-    partitioned table, every new or dropped partition), each costing several runs of
-    the generic plan (docs/partitions.md); the marks and the other tasks' statements
-    are planned with their values, as they should be."""
-    values = claim_parameters(batch_size, max_attempts, start).values()
-    text = "set local plan_cache_mode = {}; execute {} ({}); set local plan_cache_mode = default"
-    return sql.SQL(f"begin; {text}" if begin else text).format(
-        sql.SQL(plan_cache_mode), statement, sql.SQL(", ").join(sql.Literal(v) for v in values)
+    With ``plan_cache_mode`` (a partitioned table's claim: force_generic_plan), that
+    setting holds for the claim alone, set before it and back to the server's after
+    it: Postgres would plan the first five executions with their values, and five
+    again after each invalidation, which every new or dropped partition is, each
+    costing several runs of the generic plan (docs/partitions.md); the marks and the
+    other tasks' statements are planned with their values, as they should be."""
+    values = sql.SQL(", ").join(
+        sql.Literal(v) for v in claim_parameters(batch_size, max_attempts, start).values()
     )
+    execution = sql.SQL("execute {} ({})").format(statement, values)
+    if plan_cache_mode is not None:
+        execution = sql.SQL(
+            "set local plan_cache_mode = {}; {}; set local plan_cache_mode = default"
+        ).format(sql.SQL(plan_cache_mode), execution)
+    return sql.SQL("begin; ") + execution if begin else execution
 
 
 def local_settings(settings: Mapping[str, str]) -> sql.Composed:

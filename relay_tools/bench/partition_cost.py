@@ -25,7 +25,12 @@ from psycopg import sql
 from relay import database
 from relay.claimstart import MIN_SEQ, StartKey
 from relay.config import Config
-from relay.database import CLAIM_STATEMENT, PARTITIONED_CLAIM_STATEMENT, partition_creation
+from relay.database import (
+    CLAIM_STATEMENT,
+    GENERIC_PLAN,
+    PARTITIONED_CLAIM_STATEMENT,
+    partition_creation,
+)
 from relay.partitions import NewPartition, partition_name
 from relay.sqlfiles import (
     Names,
@@ -103,12 +108,14 @@ def _time_statements(
         for name, value in database.Database(config).session_settings.items():
             conn.execute("select set_config(%s, %s, false)", (name, value))
         conn.execute(claim_preparation(names, statement, partitioned=partitioned))
-        claim = claim_execution(statement, 500, 20, start)
+        generic = GENERIC_PLAN if partitioned else None
+        claim = claim_execution(statement, 500, 20, start, plan_cache_mode=generic)
 
         def one_claim() -> None:
             cursor = conn.execute(claim)
             cursor.nextset()  # past the BEGIN's result
-            cursor.nextset()  # past the plan_cache_mode's
+            if partitioned:
+                cursor.nextset()  # past the plan_cache_mode's
             cursor.fetchall()
             conn.execute("rollback")
 

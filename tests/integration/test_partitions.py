@@ -29,7 +29,12 @@ from relay.claimstart import (
     StartKey,
 )
 from relay.config import Config
-from relay.database import PARTITIONED_CLAIM_STATEMENT, partition_creation, partition_layout
+from relay.database import (
+    GENERIC_PLAN,
+    PARTITIONED_CLAIM_STATEMENT,
+    partition_creation,
+    partition_layout,
+)
 from relay.partitions import NewPartition, partition_name, reach
 from relay.sqlfiles import (
     Names,
@@ -304,7 +309,7 @@ def partitioned_claim_plan(
         conn.execute("set plan_cache_mode = force_generic_plan")
         for _ in range(6):
             conn.execute("begin")
-            conn.execute(claim_execution(statement, 500, 20, start))
+            conn.execute(claim_execution(statement, 500, 20, start, plan_cache_mode=GENERIC_PLAN))
             conn.execute("rollback")
         conn.execute("begin")
         values = claim_parameters(500, 20, start).values()
@@ -412,7 +417,7 @@ def test_the_claim_is_never_planned_with_its_values_not_even_after_a_new_partiti
         for step in range(8):
             if step == 4:
                 add_past_partition(partitioned_url, 20)
-            conn.execute(claim_execution(statement, 500, 20, start))
+            conn.execute(claim_execution(statement, 500, 20, start, plan_cache_mode=GENERIC_PLAN))
             conn.execute("rollback")
         plans = conn.execute(
             "select generic_plans, custom_plans from pg_prepared_statements where name = %s",

@@ -76,16 +76,21 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
     assert '"billing"."Outbox"' in prepared
     start = StartKey("2026-12-04 10:00:00.000001+00", 7, "2026-12-04 10:00:01+00")
     assert claim_execution(statement, 500, 20, start).as_string() == (
-        "begin; set local plan_cache_mode = force_generic_plan; "
-        "execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
+        "begin; execute \"outbox_relay_claim\" (500, 20, '2026-12-04 10:00:00.000001+00', 7, "
         "'2026-12-04 10:00:01+00', '-infinity', '{}', '{}', 'infinity', 'infinity', "
-        "'-infinity'); set local plan_cache_mode = default"
+        "'-infinity')"
     )
+    # A partitioned table's, on its generic plan alone.
+    generic = claim_execution(statement, 500, 20, start, plan_cache_mode="force_generic_plan")
+    assert generic.as_string().startswith(
+        "begin; set local plan_cache_mode = force_generic_plan; execute "
+    )
+    assert generic.as_string().endswith("; set local plan_cache_mode = default")
     # Within the transaction open (a claim run again without its floor): no BEGIN.
     assert (
         claim_execution(statement, 500, 20, start, begin=False)
         .as_string()
-        .startswith('set local plan_cache_mode = force_generic_plan; execute "outbox_relay_claim"')
+        .startswith('execute "outbox_relay_claim" (500, 20, ')
     )
 
 
