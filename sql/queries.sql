@@ -58,10 +58,11 @@ and {row}.created_at <= greatest(statement_timestamp() + {claim_reach}, {ceiling
 -- slack if earlier, less the claim's reach; or nowhere, with the floor_cap
 -- '-infinity'. Parameters only, so Postgres prunes by it when the claim starts, and
 -- the partitions behind the start key (a week of them by default) are not opened by
--- each of those walks (docs/partitions.md). The late rows' lookup and the per-row
--- probe of claimable go without: the rows they look for may lie anywhere. A claim
--- whose walks would start below the floor claims nothing (floor_refusal), and the
--- relay runs it again with the floor_cap '-infinity'.
+-- each of those walks (docs/partitions.md). The per-row probe of claimable begins
+-- there too (dead_below says why it may). The late rows' lookup goes without: the
+-- rows it looks for may lie anywhere. A claim whose walks would start below the
+-- floor claims nothing (floor_refusal), and the relay runs it again with the
+-- floor_cap '-infinity'.
 and {row}.created_at >= least({raw_floor(k)}, {floor_cap})
 
 -- fragment: raw_floor
@@ -100,8 +101,8 @@ dead_below as materialized (
 
 -- fragment: past_dead_below
 -- On a partitioned table, beside claimable: that no row below the walks' floor
--- holds this row's subject ({row} is its alias; dead_below says why). Fence: "is not true" keeps
--- this a hashed subplan, as in the claim's blockers.
+-- holds this row's subject ({row} is its alias; dead_below says why). Fence: "is
+-- not true" keeps this a hashed subplan, as in the claim's blockers.
 and ({row}.subject in (select subject from dead_below)) is not true
 
 -- fragment: refusal

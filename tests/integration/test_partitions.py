@@ -467,14 +467,23 @@ def test_the_claim_opens_no_partition_below_its_floor(partitioned_url):
     assert found[-1][9] == 0  # not refused
 
 
+def relay_past_its_first_row(
+    relays: list[RelayProcess], url: str, stream: Any
+) -> tuple[RelayProcess, str]:
+    """A relay that has published a first row and claims from a start key (so its
+    walks have a floor); and the subject its rows go to."""
+    relay = start(relays, url)
+    subject = stream.subject("a.b")
+    database.insert(url, [Event(subject, "before")])
+    wait_until(lambda: database.unpublished_count(url) == 0, message="first row")
+    wait_until(lambda: relay.metric("outbox_relay_claims_bounded") == 1, message="a start key")
+    return relay, subject
+
+
 def test_a_late_row_below_the_walks_floor_refuses_the_claim_which_runs_again_without_it(
     partitioned_url, stream, relays
 ):
-    relay = start(relays, partitioned_url)
-    subject = stream.subject("a.b")
-    database.insert(partitioned_url, [Event(subject, "before")])
-    wait_until(lambda: database.unpublished_count(partitioned_url) == 0, message="first row")
-    wait_until(lambda: relay.metric("outbox_relay_claims_bounded") == 1, message="a start key")
+    relay, subject = relay_past_its_first_row(relays, partitioned_url, stream)
     # A row created ten minutes ago, inserted now (flagged late), and a row of its
     # subject after it, in one transaction: the late row lies below every floor.
     past = add_past_partition(partitioned_url, 10)
@@ -503,11 +512,7 @@ def test_a_late_row_below_the_walks_floor_refuses_the_claim_which_runs_again_wit
 def test_a_dead_row_below_the_walks_floor_still_holds_its_subject(partitioned_url, stream, relays):
     # The probe for an earlier waiting row of a subject begins at the floor; a dead
     # row ten minutes back lies below it, and must hold its subject all the same.
-    relay = start(relays, partitioned_url)
-    subject = stream.subject("a.b")
-    database.insert(partitioned_url, [Event(subject, "before")])
-    wait_until(lambda: database.unpublished_count(partitioned_url) == 0, message="first row")
-    wait_until(lambda: relay.metric("outbox_relay_claims_bounded") == 1, message="a start key")
+    _, subject = relay_past_its_first_row(relays, partitioned_url, stream)
     past = add_past_partition(partitioned_url, 10)
     dead_id, held_id, other_id = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     with psycopg.connect(partitioned_url) as conn:
