@@ -175,7 +175,7 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
                     log.warning(
                         "%s has %d partitions up to a minute past now: every claim opens "
                         "each of them to look for late and dead rows, which costs the claim "
-                        "about 10us a partition (docs/partitions.md); a longer period, or a "
+                        "about 15us a partition (docs/partitions.md); a longer period, or a "
                         "shorter --retention, makes fewer",
                         config.table_display,
                         opened,

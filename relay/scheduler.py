@@ -50,13 +50,42 @@ def linger_for(claimed: int) -> float:
     return min(LINGER_MAX, claimed * LINGER_PER_ROW)
 
 
-# At light load the relay keeps the sleep lock while it works: every producer then
-# notifies (as most did anyway, the relay being asleep through most commits), and
-# each wake-up is one claim, with no confirming claim and no lock round trips
-# (docs/performance.md, *Steady load*). A batch larger than this means rows come
-# faster than notifications are worth: the lock goes, producers stop notifying, and
-# the scheduler claims at the linger pace until the table is quiet again.
-LIGHT_BATCH = 3
+# While rows come slower than RATE_FAST a second the relay keeps the sleep lock as it
+# works: every producer then notifies, and each wake-up is one claim, with no
+# confirming claim and no lock round trip. Faster than that, a claim per commit costs
+# more CPU than claims at the linger pace, and every commit's notify takes the
+# notification queue's lock: the lock goes, producers stop notifying, and the
+# scheduler claims at the linger pace until the rate falls below RATE_SLOW. Decided
+# by the rate, not by one batch's size, so that the way the relay runs at a given
+# load does not depend on its history (docs/performance.md, *Two ways of running*).
+RATE_FAST = 600.0
+RATE_SLOW = 400.0
+# Rows claimed a second are averaged over about this long.
+RATE_WINDOW = 0.5
+
+
+class ClaimRate:
+    """Rows claimed a second, decayed exponentially over RATE_WINDOW, and whether that
+    is fast: above RATE_FAST, and until it falls below RATE_SLOW."""
+
+    def __init__(self) -> None:
+        self._rows = 0.0  # decayed to _at
+        self._at = 0.0
+        self.fast = False
+
+    def observe(self, now: float, rows: int) -> bool:
+        """Count ``rows`` claimed at ``now``; whether rows come fast."""
+        self._rows = self._rows * math.exp(min(0.0, self._at - now) / RATE_WINDOW) + rows
+        self._at = max(self._at, now)
+        per_second = self._rows / RATE_WINDOW
+        self.fast = per_second >= RATE_SLOW if self.fast else per_second > RATE_FAST
+        return self.fast
+
+    def gap(self) -> float:
+        """How long to wait after a claim that found nothing while rows come fast: about
+        two rows' worth at the last rate, up to LINGER_MAX."""
+        per_second = self._rows / RATE_WINDOW
+        return LINGER_MAX if per_second <= 0 else min(LINGER_MAX, 2.0 / per_second)
 
 
 # How soon to claim again when producers were mid-transaction as the scheduler
@@ -194,8 +223,9 @@ class Scheduler:
         self._listener = listener
         self.heartbeat = 0.0
         self._woken = False
-        # The grant of the sleep lock kept through light load (see LIGHT_BATCH).
+        # The grant of the sleep lock kept while rows come slowly (see RATE_FAST).
         self._kept: int | None = None
+        self._rate = ClaimRate()
         self._streamless = StreamlessSubjects(metrics.subjects_without_stream.set)
 
     async def run(self, stopping: trio.Event) -> None:
@@ -224,11 +254,12 @@ class Scheduler:
                 # to wait for.
                 await self._sleep_until_woken()
                 continue
-            if claimed or self._wakeup.pending:
+            if claimed or self._wakeup.pending or self._rate.fast:
                 # Rows are flowing: look again in a moment instead of taking the sleep
                 # lock, which would make every producer notify (and so take the
                 # notification queue's lock at commit) until we woke again.
-                with trio.move_on_after(linger_for(claimed)):
+                found = claimed or self._wakeup.pending
+                with trio.move_on_after(linger_for(claimed) if found else self._rate.gap()):
                     await self._wakeup.wait_pending()
                 self._count(self._wakeup.take())
                 continue
@@ -409,7 +440,7 @@ class Scheduler:
             raise UnexpectedError(f"unexpected {first_line(exc)}") from exc
         finally:
             self._awake()
-        if len(outcome.rows) > LIGHT_BATCH:
+        if self._rate.observe(trio.current_time(), len(outcome.rows)):
             self._let_lock_go()
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()

@@ -26,7 +26,14 @@ from relay.ordering import (
 )
 from relay.publishable import size_problem, subject_problem
 from relay.replies import PERMISSION_DENIED, denied_subject, parse_ack
-from relay.scheduler import linger_for, sleep_retry_pause
+from relay.scheduler import (
+    LINGER_MAX,
+    RATE_FAST,
+    RATE_SLOW,
+    ClaimRate,
+    linger_for,
+    sleep_retry_pause,
+)
 from relay.streams import short_duplicate_windows
 
 T0 = 1_767_225_600.0  # created_at, epoch seconds: 2026-01-01T00:00:00Z
@@ -375,6 +382,41 @@ def test_linger_grows_with_the_rows_found_and_is_capped():
     assert linger_for(1) == pytest.approx(0.0002)
     assert linger_for(20) == pytest.approx(0.004)
     assert linger_for(500) == 0.01
+
+
+def steady(rate: ClaimRate, per_second: float, seconds: float, start: float = 0.0) -> float:
+    """Claims of one row each at ``per_second`` for ``seconds``; the time after."""
+    now = start
+    for _ in range(round(per_second * seconds)):
+        now += 1 / per_second
+        rate.observe(now, 1)
+    return now
+
+
+def test_the_claim_rate_is_fast_above_the_fast_rate_and_until_below_the_slow_one():
+    rate = ClaimRate()
+    now = steady(rate, RATE_SLOW * 0.9, 5)
+    assert not rate.fast
+    now = steady(rate, (RATE_FAST + RATE_SLOW) / 2, 5, now)
+    assert not rate.fast  # between the two, from below: still slow
+    now = steady(rate, RATE_FAST * 1.1, 5, now)
+    assert rate.fast
+    now = steady(rate, (RATE_FAST + RATE_SLOW) / 2, 5, now)
+    assert rate.fast  # between the two, from above: still fast
+    now = steady(rate, RATE_SLOW * 0.9, 5, now)
+    assert not rate.fast
+    # Batches count by their rows, and a pause with none counts as time gone by.
+    assert rate.observe(now + 0.001, 500)
+    assert not rate.observe(now + 5, 0)
+
+
+def test_a_claim_that_finds_nothing_while_rows_come_fast_waits_about_two_rows_worth():
+    rate = ClaimRate()
+    assert rate.gap() == LINGER_MAX
+    steady(rate, 2_000, 5)
+    assert rate.gap() == pytest.approx(0.001, rel=0.05)
+    steady(rate, 100, 10)
+    assert rate.gap() == LINGER_MAX
 
 
 def test_sleep_retry_pause_starts_at_zero_and_doubles_to_a_cap():

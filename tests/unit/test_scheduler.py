@@ -24,8 +24,9 @@ from relay.metrics import Metrics
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
 from relay.scheduler import (
     BATCHES_IN_FLIGHT,
-    LIGHT_BATCH,
     LINGER_MAX,
+    RATE_FAST,
+    RATE_SLOW,
     SLEEP_RETRY_MAX,
     Scheduler,
     sleep_retry_pause,
@@ -186,11 +187,26 @@ async def commit_after_each_claim(world: World, rows: int, seconds: float) -> No
                 world.wakeup.set("notify")
 
 
+def per_claim(rate: float) -> int:
+    """Rows to commit after each claim (one every BATCH_TIME) for ``rate`` a second."""
+    return round(rate * BATCH_TIME)
+
+
+async def produce(world: World, per_second: float, seconds: float) -> None:
+    """A producer that commits a row every 1/``per_second`` seconds for ``seconds``."""
+    for _ in range(round(per_second * seconds)):
+        await trio.sleep(1 / per_second)
+        world.table.pending += 1
+        if world.lock.held:
+            world.wakeup.set("notify")
+
+
 def test_at_light_load_it_keeps_the_lock_and_claims_once_per_wake_up():
     async def test(world: World) -> None:
         await world.asleep()
-        world.table.pending = LIGHT_BATCH
+        world.table.pending = 1
         world.wakeup.set("notify")
+        assert per_claim(RATE_SLOW) > 1  # one row a claim is light load
         await commit_after_each_claim(world, 1, 1.0)
         # One claim per notification: no empty claim to confirm, no lock round trip.
         # (The first two claims: the one at rest, and the one under the lock.)
@@ -208,10 +224,10 @@ def test_while_rows_flow_fast_it_lets_the_lock_go_lingers_and_never_takes_it_aga
     async def test(world: World) -> None:
         await world.asleep()
         asked = len(world.lock.asked)
-        world.table.pending = LIGHT_BATCH + 1
+        rows = per_claim(2 * RATE_FAST)
+        world.table.pending = rows
         world.wakeup.set("notify")
-        # More rows a claim than light load brings.
-        await commit_after_each_claim(world, LIGHT_BATCH + 1, 1.0)
+        await commit_after_each_claim(world, rows, 1.0)
         assert world.lock.woken == 1
         # Claim after claim, never more than the longest linger apart...
         gaps = [b[0] - a[0] for a, b in pairwise(world.table.claims[1:])]
@@ -220,6 +236,41 @@ def test_while_rows_flow_fast_it_lets_the_lock_go_lingers_and_never_takes_it_aga
         # ...and the sleep lock never taken again, so producers stop notifying.
         assert len(world.lock.asked) == asked
         assert not world.lock.held
+
+    run(test)
+
+
+def test_a_burst_at_light_load_keeps_the_lock():
+    async def test(world: World) -> None:
+        await world.asleep()
+        # One producer transaction of many rows, then light load: the way of running
+        # follows the rate, not one batch's size.
+        world.table.pending = BATCH_SIZE * 3
+        world.wakeup.set("notify")
+        await commit_after_each_claim(world, 1, 1.0)
+        assert world.table.events.count("prepare_sleep") == 1
+        assert world.lock.woken == 0
+
+    run(test)
+
+
+def test_rows_flowing_between_the_two_rates_keep_the_way_the_relay_runs():
+    async def test(world: World) -> None:
+        await world.asleep()
+        between = (RATE_FAST + RATE_SLOW) / 2
+        # Below RATE_FAST from rest: the lock is kept throughout...
+        await produce(world, between, 2.0)
+        assert world.lock.woken == 0
+        assert world.table.events.count("prepare_sleep") == 1
+        # ...and after a spell above it, the same rate keeps the linger pace.
+        await produce(world, 2 * RATE_FAST, 1.0)
+        assert world.lock.woken == 1
+        asked = len(world.lock.asked)
+        await produce(world, between, 2.0)
+        assert len(world.lock.asked) == asked
+        # Once rows stop, the rate falls, and the relay sleeps under the lock again.
+        await world.asleep()
+        assert world.lock.held
 
     run(test)
 
