@@ -38,7 +38,8 @@ from relay.pgtrio import TrioConnection, break_connection
 from relay.poolers import pooled_from_config
 from relay.sqlfiles import (
     Names,
-    claim_execution,
+    claim_execution_template,
+    claim_parameters,
     claim_preparation,
     claim_unprepared,
     claim_with_values,
@@ -88,6 +89,10 @@ CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim")
 PARTITIONED_CLAIM_STATEMENT = sql.Identifier("outbox_relay_claim_partitioned")
 # A partitioned table's claim runs on its generic plan always (claim_execution).
 GENERIC_PLAN = "force_generic_plan"
+# The claim's execution as bytes with a %s for each value, by (partitioned, begin,
+# encoding), as the marks' statements are kept (Names.encoded): composed afresh each
+# batch, they cost more than binding their values (docs/performance.md).
+_CLAIM_TEMPLATES: dict[tuple[bool, bool, str], bytes] = {}
 
 # How long giving a connection back may take (its rollback) before the connection
 # is taken for dead and closed.
@@ -157,7 +162,7 @@ class SetupReport:
 
 async def _execute_and_commit(
     conn: psycopg.AsyncConnection[Any],
-    statements: list[tuple[sql.Composed, dict[str, Any]]],
+    statements: list[tuple[bytes, dict[str, Any]]],
     crash_before_commit: Callable[[], None] | None,
 ) -> None:
     """The statements and the COMMIT in one simple-protocol message, each statement's
@@ -376,16 +381,14 @@ class Transaction:
                     claim_preparation(self._names, statement, partitioned=partitioned)
                 )
                 prepared.add(partitioned)
-            execution = claim_execution(
-                statement,
-                batch_size,
-                max_attempts,
-                start,
-                begin=begin,
-                plan_cache_mode=GENERIC_PLAN if partitioned else None,
-            )
+            key = (partitioned, begin, conn.info.encoding)
+            if (template := _CLAIM_TEMPLATES.get(key)) is None:
+                template = _CLAIM_TEMPLATES[key] = claim_execution_template(
+                    statement, begin=begin, plan_cache_mode=GENERIC_PLAN if partitioned else None
+                ).as_bytes(conn)
+            values = tuple(claim_parameters(batch_size, max_attempts, start).values())
             try:
-                await cursor.execute(execution)
+                await cursor.execute(template, values)
             except psycopg.errors.InvalidSqlStatementName:
                 # Deallocated behind our back (DISCARD ALL by a proxy, say): this
                 # batch fails and is retried, and the next claim prepares it again.
@@ -402,19 +405,19 @@ class Transaction:
     ) -> None:
         """One statement for every acked row, one for every failed row, and the
         commit, sent together in one round trip (pipeline mode)."""
-        statements: list[tuple[sql.Composed, dict[str, Any]]] = []
+        statements: list[tuple[bytes, dict[str, Any]]] = []
         since, until = self._created_span
         if marks.published:
             statements.append(
                 (
-                    mark_statement(self._names, "mark_published", self._partitioned),
+                    self._mark("mark_published"),
                     {"ids": _uuid_array(marks.published), "since": since, "until": until},
                 )
             )
         if marks.failed:
             statements.append(
                 (
-                    mark_statement(self._names, "mark_failed", self._partitioned),
+                    self._mark("mark_failed"),
                     {
                         "ids": [m.id for m in marks.failed],
                         "attempts": [m.attempts for m in marks.failed],
@@ -427,6 +430,15 @@ class Transaction:
             )
         async with translated("mark"):
             await _execute_and_commit(self._conn, statements, crash_before_commit)
+
+    def _mark(self, name: str) -> bytes:
+        """The marks' statement ``name``, composed and encoded once a connection
+        encoding."""
+        key = (f"{name} partitioned" if self._partitioned else name, self._conn.info.encoding)
+        if (encoded := self._names.encoded.get(key)) is None:
+            composed = mark_statement(self._names, name, self._partitioned)
+            encoded = self._names.encoded[key] = composed.as_bytes(self._conn)
+        return encoded
 
     async def commit(self) -> None:
         async with translated("commit"):

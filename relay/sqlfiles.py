@@ -137,6 +137,8 @@ class Names:
     catalog_names: dict[str, sql.Literal]
     # Queries without slots, composed once (a batch composed its marks every time).
     composed: dict[str, sql.Composed] = field(default_factory=dict, compare=False, repr=False)
+    # The marks' statements as bytes, by name and connection encoding (relay.database).
+    encoded: dict[tuple[str, str], bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def idle_lock(self) -> sql.Composed:
@@ -471,10 +473,26 @@ def claim_execution(
     again after each invalidation, which every new or dropped partition is, each
     costing several runs of the generic plan (docs/partitions.md); the marks and the
     other tasks' statements are planned with their values, as they should be."""
-    values = sql.SQL(", ").join(
-        sql.Literal(v) for v in claim_parameters(batch_size, max_attempts, start).values()
-    )
-    execution = sql.SQL("execute {} ({})").format(statement, values)
+    values = claim_parameters(batch_size, max_attempts, start).values()
+    return _claim_execution(statement, [sql.Literal(v) for v in values], begin, plan_cache_mode)
+
+
+def claim_execution_template(
+    statement: sql.Identifier, *, begin: bool = True, plan_cache_mode: str | None = None
+) -> sql.Composed:
+    """:func:`claim_execution` with a ``%s`` for each of :func:`claim_parameters`'
+    values, in their order: composed once, its values bound each claim."""
+    placeholders = [sql.Placeholder() for _ in _CLAIM_PARAMETER_TYPES]
+    return _claim_execution(statement, placeholders, begin, plan_cache_mode)
+
+
+def _claim_execution(
+    statement: sql.Identifier,
+    values: list[sql.Literal] | list[sql.Placeholder],
+    begin: bool,
+    plan_cache_mode: str | None,
+) -> sql.Composed:
+    execution = sql.SQL("execute {} ({})").format(statement, sql.SQL(", ").join(values))
     if plan_cache_mode is not None:
         execution = sql.SQL(
             "set local plan_cache_mode = {}; {}; set local plan_cache_mode = default"

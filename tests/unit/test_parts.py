@@ -10,6 +10,8 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from psycopg import sql
+from psycopg._queries import PostgresClientQuery
+from psycopg.adapt import Transformer
 
 from relay.claimstart import FROM_FIRST_ENTRY, MIN_SEQ, StartKey
 from relay.config import Config, parse_channel, parse_table_name
@@ -23,6 +25,8 @@ from relay.poolers import pooled_from_config
 from relay.sqlfiles import (
     Names,
     claim_execution,
+    claim_execution_template,
+    claim_parameters,
     claim_preparation,
     claim_unprepared,
     grant_script,
@@ -92,6 +96,25 @@ def test_the_claim_prepares_with_positional_parameters_and_runs_with_literals():
         .as_string()
         .startswith('execute "outbox_relay_claim" (500, 20, ')
     )
+
+
+@pytest.mark.parametrize(
+    "how", [{}, {"begin": False}, {"plan_cache_mode": "force_generic_plan"}], ids=str
+)
+def test_the_claims_template_with_its_values_bound_is_the_claim_composed_with_literals(how):
+    # The relay binds the values into a template composed once (relay.database): the
+    # same bytes as the claim composed with its values, quotes and all.
+    statement = sql.Identifier("outbox_relay_claim")
+    start = StartKey(
+        "2026-12-04 10:00:00.000001+00", 7, "2026-12-04 10:00:01+00",
+        "2026-12-04 09:59:00+00", "{12,13}", '{"2026-12-04 09:58:00+00","it\'s"}',
+        ceiling="-infinity",
+    )  # fmt: skip
+    bound = PostgresClientQuery(Transformer())
+    template = claim_execution_template(statement, **how).as_bytes(None)
+    bound.convert(template, tuple(claim_parameters(500, 20, start).values()))
+    assert bound.query == claim_execution(statement, 500, 20, start, **how).as_bytes(None)
+    assert b"it''s" in bound.query
 
 
 def test_a_partitioned_tables_claim_bounds_every_walk_by_the_ceiling():
