@@ -434,6 +434,13 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "steady: this build also on a table partitioned by PERIOD, 3 days of them ahead",
     )
     bench.add_argument(
+        "--without-start-key",
+        action="store_true",
+        help="with --soak: also the soak with every claim walking from the claim index's "
+        "first entry (the claim before the start key), after the plain table's, and the "
+        "p99 of the two charted with --plot",
+    )
+    bench.add_argument(
         "--replicas",
         type=int,
         metavar="N",
@@ -491,20 +498,7 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
         if args.mode == "steady":
             return _bench_steady(args)
         if args.soak:
-            from relay_tools.bench import soak  # noqa: PLC0415
-
-            plan = soak.SoakPlan.quick() if args.quick else soak.SoakPlan()
-            if args.hold is not None:
-                plan = dataclasses.replace(plan, hold=args.hold)
-            if args.rate is not None:
-                plan = dataclasses.replace(plan, rate=args.rate)
-            if args.holder is not None:
-                plan = dataclasses.replace(plan, holder=args.holder)
-            if args.replicas is not None:
-                plan = dataclasses.replace(plan, replicas=args.replicas)
-            if args.partitions is not None:
-                plan = plan.for_layouts(args.partitions)
-            return soak.main(args.database_url, args.nats_url, plan, args.json)
+            return _bench_soak(args)
         if args.features:
             from relay_tools.bench import features  # noqa: PLC0415
 
@@ -524,6 +518,25 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
     except MissingServerBinary as exc:
         print(f"outbox-relay bench: {exc}", file=sys.stderr)
         return 1
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from relay_tools.bench import soak  # noqa: PLC0415
+
+    plan = soak.SoakPlan.quick() if args.quick else soak.SoakPlan()
+    if args.hold is not None:
+        plan = dataclasses.replace(plan, hold=args.hold)
+    if args.rate is not None:
+        plan = dataclasses.replace(plan, rate=args.rate)
+    if args.holder is not None:
+        plan = dataclasses.replace(plan, holder=args.holder)
+    if args.replicas is not None:
+        plan = dataclasses.replace(plan, replicas=args.replicas)
+    if args.partitions is not None:
+        plan = plan.for_layouts(args.partitions)
+    if args.without_start_key:
+        plan = dataclasses.replace(plan, without_start_key=True)
+    return soak.main(args.database_url, args.nats_url, plan, args.json)
 
 
 def _bench_steady(args: argparse.Namespace) -> int:

@@ -5,7 +5,9 @@ extra (`pip install 'outbox-relay[bench]'`).
 - `drain.png`: drain rate by backlog shape and by publish mode (median, min-max);
 - `latency.png`: commit-to-consumer p50 and p99 by load;
 - `soak.png` (from `--soak`): p50 and p99 per window, the hold shaded, and the
-  table's dead tuples.
+  table's dead tuples;
+- `soak-start-key.png` (from `--soak --without-start-key`): p99 per window through the
+  hold, claims from the start key against claims from the claim index's first entry.
 
 Every axis starts at zero, and every chart's caption names the command, machine,
 date and build of the run its figures come from (the document's ``run``). The
@@ -132,7 +134,33 @@ def plot_soak(document: dict[str, Any], directory: Path) -> list[Path]:
     lines = ax.get_lines() + tuples.get_lines()
     ax.legend(lines, [line.get_label() for line in lines], loc="upper left")
     ax.set_title("Latency while something holds the vacuum horizon")
-    return [_save(fig, directory / "soak.png", plt, document)]
+    written = [_save(fig, directory / "soak.png", plt, document)]
+    if "without_start_key" in document:
+        written.append(_plot_start_key(document, directory, plt))
+    return written
+
+
+def _plot_start_key(document: dict[str, Any], directory: Path, plt: Any) -> Path:
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    runs = (
+        (document, "from the start key", "#3b7dd8"),
+        (document["without_start_key"], "from the claim index's first entry", "#d8843b"),
+    )
+    windows = document["windows"]
+    width = windows[1]["start"] - windows[0]["start"] if len(windows) > 1 else 60.0
+    for window in windows:
+        if window["held"]:
+            ax.axvspan(window["start"] / 60, (window["start"] + width) / 60, color="#eeeeee")
+    for run, label, color in runs:
+        minutes = [w["start"] / 60 for w in run["windows"]]
+        ax.plot(minutes, [w["p99_ms"] for w in run["windows"]], marker="o", label=label,
+                color=color)  # fmt: skip
+    ax.set_xlabel("minutes since the start (grey: the vacuum horizon held)")
+    ax.set_ylabel("ms, commit to consumer, p99 per window")
+    ax.set_ylim(bottom=0)
+    ax.legend(title="claims walk", loc="upper left")
+    ax.set_title("p99 through a held horizon: where the claim starts")
+    return _save(fig, directory / "soak-start-key.png", plt, document)
 
 
 def _save(fig: Any, path: Path, plt: Any, document: dict[str, Any]) -> Path:

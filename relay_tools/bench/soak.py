@@ -33,6 +33,7 @@ from typing import Any
 import nats
 import psycopg
 from nats.aio.msg import Msg
+from psycopg import sql
 
 from relay.config import Config, parse_positive_duration
 from relay.sqlfiles import Names, query
@@ -109,6 +110,12 @@ class SoakPlan:
     partitions: float | None = None
     partitions_ahead: str = "5min"
     layout: str = "plain"
+    # Also the plain table's soak with every claim walking from the claim index's first
+    # entry (the claim before the start key), for the chart of the two; and whether
+    # this run is that one (its late-row trigger fires on replicas only, which turns the
+    # claim's guard off: relay/claimstart.py).
+    without_start_key: bool = False
+    start_key: bool = True
     # postgresql.conf lines of the throwaway Postgres (not applied to --database-url).
     server_settings: tuple[str, ...] = ()
 
@@ -522,6 +529,8 @@ async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) 
                 assert plan.partitions is not None
                 ahead = parse_positive_duration(plan.partitions_ahead)
                 await target.install_partitioned(plan.partitions, ahead)
+            if not plan.start_key:
+                await _turn_the_guard_off(target)
             standby_url = None
             if plan.holder == "standby":
                 assert primary is not None
@@ -530,6 +539,18 @@ async def _main(database_url: str | None, nats_url: str | None, plan: SoakPlan) 
                 standby.start()
                 standby_url = with_database(standby.url, target.database)
             return await soak(target, plan, standby_url)
+
+
+async def _turn_the_guard_off(target: Target) -> None:
+    """Make every claim walk from the claim index's first entry, as claims did before
+    the start key: the late-row trigger fires on replicas only, so the claim's guard
+    cannot trust the start key (the relay warns once, and says how to mend it)."""
+    names = Names.for_config(Config())
+    statement = sql.SQL("alter table {} enable replica trigger {}").format(
+        names.table, names.late_trigger
+    )
+    async with await psycopg.AsyncConnection.connect(target.url, autocommit=True) as conn:
+        await conn.execute(statement)
 
 
 def main(
@@ -550,14 +571,28 @@ def main(
     if len(reports) == 2:
         print(render_layouts(*reports), end="")
         verdicts_met = verdicts_met and all(ok for _, ok in layout_verdicts(*reports))
+    without_key = None
+    if plan.without_start_key:
+        # A comparison, not a target: its verdicts are printed, not the run's outcome.
+        print("again, every claim walking from the claim index's first entry:\n")
+        with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+            without_key = runner.run(
+                _main(database_url, nats_url, replace(plan, layout="plain", start_key=False))
+            )
+        print(render(without_key))
     if json_path:
-        # The run, the plain table's soak as ever (the charts read it), the partitioned
-        # one inside.
-        plain, *partitioned = ({**asdict(r), "plan": asdict(r.plan)} for r in reports)
+        # The run, the plain table's soak as ever (the charts read it), the others inside.
+        plain, *partitioned = (_figures(r) for r in reports)
         with open(json_path, "w", encoding="utf-8") as out:
             document = {"run": run, **plain}
             if partitioned:
                 document["partitioned"] = partitioned[0]
+            if without_key is not None:
+                document["without_start_key"] = _figures(without_key)
             out.write(dumps(document))
             out.write("\n")
     return 0 if verdicts_met else 1
+
+
+def _figures(report: SoakReport) -> dict[str, Any]:
+    return {**asdict(report), "plan": asdict(report.plan)}

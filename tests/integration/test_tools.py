@@ -194,10 +194,12 @@ def test_the_demo_on_its_own_servers_shows_no_warning():
 def test_the_soak_quick_mode_prints_every_window_and_the_targets(tmp_path):
     """The figures are printed, not asserted (CI machines are too noisy for latency
     targets); what every run must show is there: each window, with and without the
-    hold, and nothing lost or out of order."""
+    hold, and nothing lost or out of order; again with every claim walking from the
+    claim index's first entry, for the chart of the two."""
     out = tmp_path / "soak.json"
     result = subprocess.run(
-        [sys.executable, "-m", "relay", "bench", "--soak", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "relay", "bench", "--soak", "--quick", "--without-start-key",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     print(result.stdout)
@@ -208,9 +210,14 @@ def test_the_soak_quick_mode_prints_every_window_and_the_targets(tmp_path):
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert plotted.returncode == 0, plotted.stdout + plotted.stderr
-    assert_charts(charts, "soak.png")
+    assert_charts(charts, "soak.png", "soak-start-key.png")
     assert "targets:" in result.stdout, result.stdout + result.stderr
+    assert "every claim walking from the claim index's first entry" in result.stdout
     document = json.loads(out.read_text())
+    without_key = document["without_start_key"]
+    assert without_key["plan"]["start_key"] is False
+    assert (without_key["lost"], without_key["inversions"]) == (0, 0)
+    assert all(w["events"] > 0 for w in without_key["windows"])
     assert "://" not in out.read_text()
     windows = document["windows"]
     assert len(windows) == 8
