@@ -15,7 +15,12 @@ from relay_tools.bench import plots
 IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 # Each chart, and the run's figures it is drawn from (`outbox-relay bench --plot
 # docs/img --json docs/img/<figures>`).
-CHARTS = {"drain.png": "bench.json", "latency.png": "bench.json", "soak.png": "soak.json"}
+CHARTS = {
+    "drain.png": "bench.json",
+    "latency.png": "bench.json",
+    "soak.png": "soak.json",
+    "soak-start-key.png": "soak.json",
+}
 
 
 def figures(name: str) -> dict:
