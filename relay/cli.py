@@ -585,7 +585,7 @@ def _demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     setup_logging("warning", "text")
     try:
         return demo.main(environ, args.rate, args.seconds)
-    except MissingServerBinary as exc:
+    except (MissingServerBinary, demo.DemoFailed) as exc:
         print(f"outbox-relay demo: {exc}", file=sys.stderr)
         return 1
 

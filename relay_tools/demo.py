@@ -175,7 +175,9 @@ async def consume(
         while not stop.is_set():
             try:
                 messages = await subscription.fetch(100, timeout=0.5)
-            except nats.errors.TimeoutError:
+            except TimeoutError:
+                # nats-py raises its own TimeoutError, and the builtin one when the
+                # deadline runs out between its two pull requests: both mean "none yet".
                 continue
             for message in messages:
                 envelope = json.loads(message.data)
@@ -215,17 +217,58 @@ async def report(url: str, stop: asyncio.Event, stats: Stats) -> None:
             sys.stdout.flush()
 
 
-async def deliver_the_rest(stats: Stats, relay: asyncio.subprocess.Process) -> None:
+class DemoFailed(Exception):
+    """A part of the demo stopped with an error: the demo stops too, and says which."""
+
+
+def failure(parts: Mapping[str, asyncio.Task[None]]) -> DemoFailed | None:
+    """The first of the demo's parts that stopped with an error, if one did."""
+    for name, task in parts.items():
+        if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+            return DemoFailed(f"the demo's {name} stopped: {error!r}")
+    return None
+
+
+async def deliver_the_rest(
+    stats: Stats, relay: asyncio.subprocess.Process, consumer: asyncio.Task[None]
+) -> None:
     """Returns, once the producer stopped, when the consumer has every order that
-    was committed or the relay exited, so a timed run ends with its orders shipped
-    rather than with whatever was in flight when the clock ran out."""
+    was committed, the relay exited or the consumer failed, so a timed run ends
+    with its orders shipped rather than with whatever was in flight when the clock
+    ran out."""
     caught_up = asyncio.create_task(stats.caught_up.wait())
     relay_exited = asyncio.create_task(relay.wait())
     try:
-        await asyncio.wait([caught_up, relay_exited], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([caught_up, relay_exited, consumer], return_when=asyncio.FIRST_COMPLETED)
     finally:
         caught_up.cancel()
         relay_exited.cancel()
+
+
+async def create_stream(js: JetStreamContext, names: DemoNames) -> None:
+    # Ids kept as long as a retried row can take to come back (--backoff-max plus
+    # --publish-timeout), as the README asks of a stream: the relay checks it.
+    defaults = Config()
+    await js.add_stream(
+        name=names.stream,
+        subjects=[names.subjects],
+        duplicate_window=defaults.backoff_max + defaults.publish_timeout + 60.0,
+    )
+
+
+async def start_relay(
+    database_url: str, nats_url: str, names: DemoNames
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "relay", "run",
+        env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": database_url,
+             "OUTBOX_RELAY_NATS_URL": nats_url, "OUTBOX_RELAY_METRICS_PORT": "0",
+             "OUTBOX_RELAY_TABLE": ".".join(names.table),
+             "OUTBOX_RELAY_CHANNEL": names.channel, "OUTBOX_RELAY_LOG_LEVEL": "warning"},
+        # Its own session: Ctrl-C reaches the demo, which stops the producer first
+        # and then the relay, in that order.
+        start_new_session=True,
+    )  # fmt: skip
 
 
 async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float | None) -> None:
@@ -240,59 +283,48 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
     nc: NatsClient | None = None
     relay: asyncio.subprocess.Process | None = None
     stop_producing, stop, stats = asyncio.Event(), asyncio.Event(), Stats()
-    producer: asyncio.Task[None] | None = None
-    tasks: list[asyncio.Task[None]] = []
+    parts: dict[str, asyncio.Task[None]] = {}
     try:
         await asyncio.to_thread(install, conninfo, Names.for_config(config))
         async with await psycopg.AsyncConnection.connect(demo_conninfo, autocommit=True) as conn:
             await conn.execute(SCHEMA)
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        # Ids kept as long as a retried row can take to come back (--backoff-max plus
-        # --publish-timeout), as the README asks of a stream: the relay checks it.
-        defaults = Config()
-        await js.add_stream(
-            name=names.stream,
-            subjects=[names.subjects],
-            duplicate_window=defaults.backoff_max + defaults.publish_timeout + 60.0,
-        )
-        relay = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "relay", "run",
-            env={**os.environ, "OUTBOX_RELAY_DATABASE_URL": database_url,
-                 "OUTBOX_RELAY_NATS_URL": nats_url, "OUTBOX_RELAY_METRICS_PORT": "0",
-                 "OUTBOX_RELAY_TABLE": ".".join(names.table),
-                 "OUTBOX_RELAY_CHANNEL": names.channel, "OUTBOX_RELAY_LOG_LEVEL": "warning"},
-            # Its own session: Ctrl-C reaches the demo, which stops the producer first
-            # and then the relay, in that order.
-            start_new_session=True,
-        )  # fmt: skip
+        await create_stream(js, names)
+        relay = await start_relay(database_url, nats_url, names)
         print(
             f"relay running (pid {relay.pid}) against {redact_url(database_url)} and {nats_url}, "
             f"on the demo's own table {'.'.join(names.table)} and stream {names.stream}"
         )
         print("producing orders; press Ctrl-C to stop\n")
-        producer = asyncio.create_task(produce(demo_conninfo, names, stop_producing, rate, stats))
-        tasks = [
-            producer,
-            asyncio.create_task(consume(demo_conninfo, names, js, stop, stats)),
-            asyncio.create_task(report(demo_conninfo, stop, stats)),
-        ]
+        parts = {
+            "producer": asyncio.create_task(
+                produce(demo_conninfo, names, stop_producing, rate, stats)
+            ),
+            "consumer": asyncio.create_task(consume(demo_conninfo, names, js, stop, stats)),
+            "report": asyncio.create_task(report(demo_conninfo, stop, stats)),
+        }
         finished = asyncio.Event()
         # Ctrl-C cancels this coroutine (asyncio.Runner); SIGTERM ends it the same way.
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, finished.set)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(finished.wait(), seconds)
+        finishing = asyncio.create_task(finished.wait())
+        # Until the time is up, SIGTERM, or a part of the demo fails.
+        await asyncio.wait(
+            [finishing, *parts.values()], timeout=seconds, return_when=asyncio.FIRST_COMPLETED
+        )
+        finishing.cancel()
         # The producer stops first; the relay and the consumer then finish what
         # was committed (a relay that started slowly still gets its orders out).
         stop_producing.set()
-        await producer
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(DELIVER_THE_REST_TIMEOUT):
-                await deliver_the_rest(stats, relay)
+        await asyncio.wait([parts["producer"]])
+        if failure(parts) is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DELIVER_THE_REST_TIMEOUT):
+                    await deliver_the_rest(stats, relay, parts["consumer"])
     finally:
         stop_producing.set()
         stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*parts.values(), return_exceptions=True)
         if relay is not None:
             with contextlib.suppress(ProcessLookupError):  # it may have stopped by itself
                 relay.terminate()
@@ -307,6 +339,8 @@ async def run_demo(database_url: str, nats_url: str, rate: float, seconds: float
             )
     print(f"\n\nstopped: {stats.consumed} of {stats.produced} orders shipped exactly once, "
           f"{stats.duplicates} duplicate deliveries ignored")  # fmt: skip
+    if (failed := failure(parts)) is not None:
+        raise failed
 
 
 def main(environ: Mapping[str, str], rate: float, seconds: float | None) -> int:

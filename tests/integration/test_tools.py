@@ -12,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import nats.errors
 import psycopg
 import pytest
 
@@ -157,6 +158,71 @@ def test_demo_beside_a_real_outbox_touches_nothing_of_it(db_url, stream):
 async def _stream_names(js):
     for info in await js.streams_info():
         yield info.config.name
+
+
+def test_the_demos_consumer_waits_through_either_timeout_a_fetch_raises(db_url):
+    """nats-py's fetch raises its own TimeoutError when nothing came, and the builtin
+    one when its deadline runs out between its two pull requests (a loaded machine):
+    the consumer took the second for a failure and stopped, and its demo then waited
+    a minute and shipped none of its orders."""
+    envelope = {"id": str(uuid.uuid4()), "time": "2026-12-06T00:00:00Z",
+                "data": {"order_id": str(uuid.uuid4())}}  # fmt: skip
+    stop, stats = asyncio.Event(), demo.Stats()
+    stats.produced = 1
+
+    class Message:
+        data = json.dumps(envelope).encode()
+
+        async def ack(self) -> None:
+            stop.set()
+
+    class Subscription:
+        def __init__(self) -> None:
+            self.answers: list[BaseException | list[Message]] = [
+                TimeoutError(),
+                nats.errors.TimeoutError(),
+                [Message()],
+            ]
+
+        async def fetch(self, batch: int, **options: float) -> list[Message]:
+            answer = self.answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+    class JetStream:
+        async def pull_subscribe(self, *args: object, **kwargs: object) -> Subscription:
+            return Subscription()
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+            await conn.execute(demo.SCHEMA)
+        await demo.consume(db_url, demo.DemoNames.new(), JetStream(), stop, stats)
+
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        runner.run(asyncio.wait_for(main(), 30))
+    assert (stats.consumed, stats.duplicates) == (1, 0)
+
+
+def test_a_demo_part_that_fails_is_named():
+    async def main() -> tuple[str | None, str | None]:
+        async def fails() -> None:
+            raise OSError("connection refused")
+
+        async def works() -> None:
+            return None
+
+        parts = {"producer": asyncio.create_task(works()),
+                 "consumer": asyncio.create_task(fails())}  # fmt: skip
+        before = demo.failure(parts)
+        await asyncio.wait(parts.values())
+        after = demo.failure(parts)
+        return (before and str(before)), (after and str(after))
+
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        assert runner.run(main()) == (
+            None, "the demo's consumer stopped: OSError('connection refused')"
+        )  # fmt: skip
 
 
 def test_consumer_does_its_work_once_per_envelope_id(db_url):
