@@ -413,6 +413,13 @@ def _add_bench_arguments(bench: argparse.ArgumentParser) -> None:
         "a time beside steady load, on a non-ISO DateStyle (about 2 minutes)",
     )
     bench.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="instead: the Grafana dashboard's panels through a real run (two relays, a "
+        "real Prometheus, the broker down for 30 s), drawn with --plot (about 3 minutes; "
+        "needs prometheus)",
+    )
+    bench.add_argument(
         "--hold", type=_duration, metavar="DURATION", help="with --soak: how long (default 5m)"
     )
     bench.add_argument(
@@ -504,6 +511,11 @@ def _bench(args: argparse.Namespace) -> int:  # noqa: PLR0911 - a return per ben
 
             features_plan = features.FeaturesPlan.quick() if args.quick else features.FeaturesPlan()
             return features.main(args.database_url, args.nats_url, features_plan, args.json)
+        if args.dashboard:
+            from relay_tools.bench import dashboard  # noqa: PLC0415
+
+            plan = dashboard.DashboardPlan.quick() if args.quick else dashboard.DashboardPlan()
+            return dashboard.main(plan, args.json)
         if args.hostile:
             from relay_tools.bench import hostile  # noqa: PLC0415
 
@@ -568,11 +580,12 @@ def _bench_and_plot(args: argparse.Namespace) -> int:
     else:
         document = json.loads(Path(source).read_text())
     directory = Path(args.plot)
-    written = (
-        plots.plot_soak(document, directory)
-        if "windows" in document
-        else plots.plot_bench(document, directory)
-    )
+    if "dashboard" in document:
+        written = plots.plot_dashboard(document, directory)
+    elif "windows" in document:
+        written = plots.plot_soak(document, directory)
+    else:
+        written = plots.plot_bench(document, directory)
     for path in written:
         print(f"wrote {path}")
     return code

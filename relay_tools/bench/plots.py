@@ -7,7 +7,9 @@ extra (`pip install 'outbox-relay[bench]'`).
 - `soak.png` (from `--soak`): p50 and p99 per window, the hold shaded, and the
   table's dead tuples;
 - `soak-start-key.png` (from `--soak --without-start-key`): p99 per window through the
-  hold, claims from the start key against claims from the claim index's first entry.
+  hold, claims from the start key against claims from the claim index's first entry;
+- `dashboard.png` (from `--dashboard`): the Grafana dashboard's panels, on its grid,
+  as their queries answered through a real run.
 
 Every axis starts at zero, and every chart's caption names the command, machine,
 date and build of the run its figures come from (the document's ``run``). The
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -163,9 +166,58 @@ def _plot_start_key(document: dict[str, Any], directory: Path, plt: Any) -> Path
     return _save(fig, directory / "soak-start-key.png", plt, document)
 
 
-def _save(fig: Any, path: Path, plt: Any, document: dict[str, Any]) -> Path:
+# Shading of the dashboard run's phases (the steady load goes unshaded).
+PHASE_COLOURS = {"NATS down": "#f6d5d5", "NATS back": "#e4efe0"}
+UNIT_LABELS = {"ops": "per second", "s": "seconds", "short": "count"}
+
+
+def plot_dashboard(document: dict[str, Any], directory: Path) -> list[Path]:
+    """The dashboard's panels through a run (`outbox-relay bench --dashboard --json`),
+    each where the dashboard's grid puts it (24 columns; rows of 8 units)."""
+    plt = _pyplot()
+    directory.mkdir(parents=True, exist_ok=True)
+    run = document["dashboard"]
+    panels = run["panels"]
+    rows = max((p["y"] + p["h"]) for p in panels) // 8
+    fig, grid = plt.subplots(rows, 2, figsize=(15, 3.1 * rows), squeeze=False)
+    for panel in panels:
+        ax = grid[panel["y"] // 8][min(1, panel["x"] // 12)]
+        for phase in run["phases"]:
+            if phase["name"] in PHASE_COLOURS:
+                ax.axvspan(phase["start"] / 60, phase["end"] / 60,
+                           color=PHASE_COLOURS[phase["name"]])  # fmt: skip
+        for line in panel["series"]:
+            minutes = [at / 60 for at, _ in line["points"]]
+            values = [math.nan if v is None else v for _, v in line["points"]]
+            ax.plot(minutes, values, label=line["label"], linewidth=1.2)
+        if not panel["series"]:
+            ax.text(0.5, 0.5, "no data in this run", transform=ax.transAxes, ha="center",
+                    color="#777777")  # fmt: skip
+        ax.set_title(panel["title"], fontsize=10, loc="left")
+        ax.set_ylabel(UNIT_LABELS.get(panel["unit"], panel["unit"]), fontsize=8)
+        ax.set_xlabel("minutes since the start", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.tick_params(labelsize=7)
+        if panel["series"]:
+            ax.legend(fontsize=6, loc="upper left", ncol=2)
+    fig.suptitle(
+        "The dashboard in deploy/grafana through a run of two relays: "
+        "shaded red while NATS was down, green once it was back",
+        fontsize=12,
+    )
+    return [_save(fig, directory / "dashboard.png", plt, document, margins=(0.025, 0.975))]
+
+
+def _save(
+    fig: Any,
+    path: Path,
+    plt: Any,
+    document: dict[str, Any],
+    margins: tuple[float, float] = (0.08, 1.0),
+) -> Path:
+    """``margins``: the figure's fraction below the charts (the caption's) and its top."""
     fig.text(0.01, 0.01, caption(document), fontsize=7, color="#555555", va="bottom")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, margins[0], 1, margins[1]))
     fig.savefig(path, dpi=110, metadata={"Description": figures_digest(document)})
     plt.close(fig)
     return path

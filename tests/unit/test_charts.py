@@ -20,7 +20,10 @@ CHARTS = {
     "latency.png": "bench.json",
     "soak.png": "soak.json",
     "soak-start-key.png": "soak.json",
+    "dashboard.png": "dashboard.json",
 }
+# The bench mode each figures file comes from.
+MODES = {"bench.json": "", "soak.json": " --soak", "dashboard.json": " --dashboard"}
 
 
 def figures(name: str) -> dict:
@@ -37,7 +40,7 @@ def test_each_chart_is_drawn_from_the_figures_committed_beside_it(chart, source)
     document = figures(source)
     assert digest_in(IMG / chart) == plots.figures_digest(document), (
         f"docs/img/{chart} was not drawn from docs/img/{source}: run "
-        f"`outbox-relay bench{' --soak' if source == 'soak.json' else ''} "
+        f"`outbox-relay bench{MODES[source]} "
         f"--plot docs/img --json docs/img/{source}`"
     )
 
@@ -56,10 +59,12 @@ def test_each_run_recorded_its_command_machine_date_and_build(source):
 @pytest.mark.parametrize("source", sorted(set(CHARTS.values())))
 def test_the_charts_are_drawn_again_from_their_figures(source, tmp_path):
     document = figures(source)
-    drawn = (
-        plots.plot_soak(document, tmp_path) if "windows" in document
-        else plots.plot_bench(document, tmp_path)
-    )  # fmt: skip
+    if "dashboard" in document:
+        drawn = plots.plot_dashboard(document, tmp_path)
+    elif "windows" in document:
+        drawn = plots.plot_soak(document, tmp_path)
+    else:
+        drawn = plots.plot_bench(document, tmp_path)
     assert {path.name for path in drawn} == {c for c, s in CHARTS.items() if s == source}
     for path in drawn:
         assert digest_in(path) == plots.figures_digest(document)

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from relay.metrics import Metrics
+from relay_tools.bench import dashboard
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 METRIC_NAME = re.compile(r"\b(outbox_relay_[a-z_]+)\b")
@@ -63,3 +64,28 @@ def test_the_issue_metrics_exist():
         "outbox_relay_build_info",
     ):
         assert name in names, name
+
+
+def test_the_dashboards_panels_are_read_with_their_queries_legends_and_grid():
+    board = json.loads((DEPLOY / "grafana" / "outbox-relay.json").read_text())
+    read = dashboard.panels(board)
+    assert [p.title for p in read] == [p["title"] for p in board["panels"]]
+    assert all(p.targets and p.w in (12, 24) and p.unit in ("ops", "s", "short") for p in read)
+
+
+def test_rate_interval_is_grafanas():
+    # The larger of four scrapes and a step plus a scrape.
+    assert dashboard.rate_interval(step=2, scrape=1) == "4s"
+    assert dashboard.rate_interval(step=15, scrape=1) == "16s"
+    assert dashboard.expand("rate(x[$__rate_interval])", "4s") == "rate(x[4s])"
+
+
+def test_a_series_is_named_by_its_legend_and_keeps_no_rate_as_none():
+    answer = {"data": {"result": [
+        {"metric": {"reason": "no_stream", "instance": "relay-1"},
+         "values": [[100.0, "NaN"], [102.0, "0.5"]]},
+    ]}}  # fmt: skip
+    assert dashboard.series(answer, "{{reason}} on {{ instance }}", start=100.0) == [
+        {"label": "no_stream on relay-1", "points": [[0.0, None], [2.0, 0.5]]}
+    ]
+    assert dashboard.legend("", {"__name__": "m", "b": "2", "a": "1"}) == "a=1, b=2"
