@@ -220,9 +220,10 @@ async def _incidents(
     chart's shading."""
     started = time.time()
     await asyncio.sleep(plan.steady / 3)
-    # A subject no stream captures: the row waits, and the relay says so.
+    # An event type no stream captures: the row waits, and the relay says so (its
+    # subject its own, so that it holds back no other row).
     await target.execute(
-        INSERT, (str(uuid.uuid4()), f"unrouted{target.token}.created", "s1", '{"n": 1}')
+        INSERT, (str(uuid.uuid4()), f"unrouted{target.token}.created", "unrouted", '{"n": 1}')
     )
     await asyncio.sleep(plan.steady / 3)
     # A row over the broker's max_payload: its own fault, so it goes dead.

@@ -197,6 +197,7 @@ def plot_dashboard(document: dict[str, Any], directory: Path) -> list[Path]:
         ax.set_ylabel(UNIT_LABELS.get(panel["unit"], panel["unit"]), fontsize=8)
         ax.set_xlabel("minutes since the start", fontsize=8)
         ax.set_ylim(bottom=0)
+        ax.set_xlim(0, run["phases"][-1]["end"] / 60)
         ax.tick_params(labelsize=7)
         if panel["series"]:
             ax.legend(fontsize=6, loc="upper left", ncol=2)

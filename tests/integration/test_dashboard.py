@@ -32,6 +32,10 @@ def test_the_dashboards_panels_show_two_relays_through_a_broker_outage():
     assert values(panels["Held subjects, skipped rows, subjects without a stream"][no_stream])[-1]
     # The row over max_payload went dead, and holds its subject.
     assert max(values(panels["Backlog (unpublished rows)"]["dead"])) == 1
+    (dead,) = panels[
+        "Rows moved to the cap, by type and reason (since each relay started)"
+    ].values()
+    assert max(values(dead)) == 1
     # Each replica showed the broker gone, and back.
     connections = panels["Connections per replica"]
     for relay in ("relay-1", "relay-2"):
