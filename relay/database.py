@@ -875,6 +875,7 @@ class TableHealth:
     dead_tuples: int
     total_bytes: int
     next_xid: int
+    relays: int  # holding the presence lock: connected relays of this table
 
 
 def install(

@@ -152,6 +152,7 @@ class PostgresListenConnection:
             ).format(settings)
         )
         await self._execute(sql.SQL("listen {}").format(sql.Identifier(channel)))
+        await self._execute(query(self._names, "presence_lock"))
 
     async def probe(self) -> None:
         await self._execute(sql.SQL("select 1"))

@@ -156,6 +156,7 @@ class Metrics:
     horizon_age: Gauge
     horizon_xids: Gauge
     table_dead_tuples: Gauge
+    relays: Gauge
     table_bytes: Gauge
     claims_from_first_entry: Counter
     claims_bounded: Gauge

@@ -25,6 +25,7 @@ from relay.health import Health
 from relay.listener import Sleep
 from relay.metrics import Metrics
 from relay.model import Acked, Failed, FailureReason, PublishResult
+from relay.replicas import Replicas
 from relay.retry import retry
 from relay.wakeup import Wakeup
 
@@ -57,7 +58,9 @@ def linger_for(claimed: int) -> float:
 # notification queue's lock: the lock goes, producers stop notifying, and the
 # scheduler claims at the linger pace until the rate falls below RATE_SLOW. Decided
 # by the rate, not by one batch's size, so that the way the relay runs at a given
-# load does not depend on its history (docs/performance.md, *Two ways of running*).
+# load does not depend on its history (docs/performance.md, *Two ways of running*);
+# by the table's rate, not this relay's share of it: with the lock kept every relay
+# claims on every notification, so relays sharing a table pay that once each.
 RATE_FAST = 600.0
 RATE_SLOW = 400.0
 # Rows claimed a second are averaged over about this long.
@@ -65,19 +68,21 @@ RATE_WINDOW = 0.5
 
 
 class ClaimRate:
-    """Rows claimed a second, decayed exponentially over RATE_WINDOW, and whether that
-    is fast: above RATE_FAST, and until it falls below RATE_SLOW."""
+    """Rows claimed a second, decayed exponentially over RATE_WINDOW, and whether the
+    table's rate is fast: this relay's times the relays sharing the table (each claims
+    its share), above RATE_FAST, and until it falls below RATE_SLOW."""
 
     def __init__(self) -> None:
         self._rows = 0.0  # decayed to _at
         self._at = 0.0
         self.fast = False
 
-    def observe(self, now: float, rows: int) -> bool:
-        """Count ``rows`` claimed at ``now``; whether rows come fast."""
+    def observe(self, now: float, rows: int, relays: int = 1) -> bool:
+        """Count ``rows`` claimed at ``now`` by this one of ``relays``; whether rows
+        come fast."""
         self._rows = self._rows * math.exp(min(0.0, self._at - now) / RATE_WINDOW) + rows
         self._at = max(self._at, now)
-        per_second = self._rows / RATE_WINDOW
+        per_second = self._rows / RATE_WINDOW * relays
         self.fast = per_second >= RATE_SLOW if self.fast else per_second > RATE_FAST
         return self.fast
 
@@ -213,6 +218,7 @@ class Scheduler:
         health: Health,
         wakeup: Wakeup,
         listener: SleepLock,
+        replicas: Replicas,
     ) -> None:
         self._config = config
         self._run_batch = run_batch
@@ -221,6 +227,7 @@ class Scheduler:
         self._health = health
         self._wakeup = wakeup
         self._listener = listener
+        self._replicas = replicas
         self.heartbeat = 0.0
         self._woken = False
         # The grant of the sleep lock kept while rows come slowly (see RATE_FAST).
@@ -440,7 +447,7 @@ class Scheduler:
             raise UnexpectedError(f"unexpected {first_line(exc)}") from exc
         finally:
             self._awake()
-        if self._rate.observe(trio.current_time(), len(outcome.rows)):
+        if self._rate.observe(trio.current_time(), len(outcome.rows), self._replicas.count):
             self._let_lock_go()
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()

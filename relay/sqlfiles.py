@@ -89,6 +89,9 @@ IDLE_LOCK_CLASS = 0x0B0E
 AUDIT_LOCK_CLASS = 0x0B0F
 # Held by the relay that creates a partitioned table's partitions, one at a time.
 PARTITION_LOCK_CLASS = 0x0B10
+# Held shared by every relay of the table on its LISTEN connection while connected:
+# counted, it is how many relays share the table (relay/replicas.py).
+PRESENCE_LOCK_CLASS = 0x0B11
 
 
 def idle_lock_key(config: Config) -> int:
@@ -151,6 +154,10 @@ class Names:
     @property
     def partition_lock(self) -> sql.Composed:
         return sql.SQL("{}, {}").format(sql.Literal(PARTITION_LOCK_CLASS), self.idle_lock_key2)
+
+    @property
+    def presence_lock(self) -> sql.Composed:
+        return sql.SQL("{}, {}").format(sql.Literal(PRESENCE_LOCK_CLASS), self.idle_lock_key2)
 
     @property
     def display(self) -> str:
@@ -260,6 +267,8 @@ class Names:
             idle_lock=self.idle_lock,
             audit_lock=self.audit_lock,
             partition_lock=self.partition_lock,
+            presence_lock=self.presence_lock,
+            presence_lock_key1=sql.Literal(PRESENCE_LOCK_CLASS),
             idle_lock_key1=self.idle_lock_key1,
             idle_lock_key2=self.idle_lock_key2,
         )

@@ -565,6 +565,11 @@ select pg_advisory_lock({idle_lock});
 -- name: idle_unlock
 select pg_advisory_unlock({idle_lock});
 
+-- name: presence_lock
+-- Run on the LISTEN connection once it listens: held, shared, for as long as the
+-- session lasts, so that the relays sharing the table can be counted (table_health).
+select pg_advisory_lock_shared({presence_lock});
+
 -- name: idle_sleeper
 -- Another relay asleep (holding the lock exclusively) makes producers notify, so
 -- this relay may sleep too. Two-key advisory locks show as objsubid 2.
@@ -702,7 +707,8 @@ select {exact_time(polled_at)}, w.xid,
 
 -- name: table_health
 -- The table's dead tuples (the statistics' estimate), its size with its indexes
--- and TOAST, and the next transaction id to be used (for relay/horizon.py's clock).
+-- and TOAST, the next transaction id to be used (for relay/horizon.py's clock), and
+-- how many relays share the table (their LISTEN sessions hold the presence lock).
 -- A partitioned table's are its partitions' (pg_partition_tree has no row for a
 -- plain table, and the partitioned table itself holds nothing).
 with parts as (
@@ -713,7 +719,13 @@ with parts as (
 select coalesce((select sum(n_dead_tup) from pg_stat_user_tables
                   where relid in (select relid from parts)), 0)::bigint,
        (select sum(pg_total_relation_size(relid)) from parts)::bigint,
-       pg_snapshot_xmax(pg_current_snapshot())::text::bigint;
+       pg_snapshot_xmax(pg_current_snapshot())::text::bigint,
+       (select count(*)
+          from pg_locks
+         where locktype = 'advisory' and database = (select oid from pg_database
+                                                     where datname = current_database())
+           and (classid, objid, objsubid) = ({presence_lock_key1}::oid, {idle_lock_key2}::oid, 2)
+           and mode = 'ShareLock' and granted)::int;
 
 -- name: sweep
 -- Off the claim's path, now and then: whether a live row sits before where this

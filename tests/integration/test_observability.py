@@ -68,6 +68,17 @@ def test_counters_and_gauges_follow_the_table(db_url, stream, start_relay):
         refusing.delete()
 
 
+def test_each_relay_counts_the_relays_sharing_its_table(start_relay):
+    """Each holds the presence lock on its LISTEN connection while it is connected;
+    the gauge counts the holders, and a relay that stops is no longer counted."""
+    first = start_relay(gauge_interval="100ms")
+    second = start_relay(gauge_interval="100ms")
+    for relay in (first, second):
+        wait_until(lambda r=relay: r.metric("outbox_relay_relays") == 2, message="two relays")
+    second.stop()
+    wait_until(lambda: first.metric("outbox_relay_relays") == 1, message="one relay")
+
+
 def test_readiness_follows_nats_and_postgres(start_relay):
     with throwaway_nats() as nats, throwaway_postgres() as pg:
         database.install(pg.url)

@@ -410,6 +410,19 @@ def test_the_claim_rate_is_fast_above_the_fast_rate_and_until_below_the_slow_one
     assert not rate.observe(now + 5, 0)
 
 
+def test_the_claim_rate_is_the_tables_this_relays_share_times_the_relays():
+    # Three relays at 1,000 events/s claim about 333 a second each: fast, though
+    # one relay claiming that many alone would be slow.
+    alone, shared = ClaimRate(), ClaimRate()
+    now = 0.0
+    for _ in range(round(RATE_FAST / 2 * 5)):
+        now += 2 / RATE_FAST
+        alone.observe(now, 1)
+        shared.observe(now, 1, relays=3)
+    assert not alone.fast
+    assert shared.fast
+
+
 def test_a_claim_that_finds_nothing_while_rows_come_fast_waits_about_two_rows_worth():
     rate = ClaimRate()
     assert rate.gap() == LINGER_MAX

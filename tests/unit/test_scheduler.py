@@ -22,6 +22,7 @@ from relay.listener import Sleep
 from relay.marks import Marks
 from relay.metrics import Metrics
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
+from relay.replicas import Replicas
 from relay.scheduler import (
     BATCHES_IN_FLIGHT,
     LINGER_MAX,
@@ -122,6 +123,7 @@ class World:
         self.health = Health(listening=True, broker=True)  # their tasks are not here
         self.metrics = Metrics(CollectorRegistry())
         self.stopping = trio.Event()
+        self.replicas = Replicas()
         self.scheduler = Scheduler(
             config=Config(batch_size=BATCH_SIZE),
             run_batch=self.table.run_batch,
@@ -130,6 +132,7 @@ class World:
             health=self.health,
             wakeup=self.wakeup,
             listener=self.lock,
+            replicas=self.replicas,
         )
 
     def metric(self, name: str, **labels: str) -> float:
@@ -271,6 +274,25 @@ def test_rows_flowing_between_the_two_rates_keep_the_way_the_relay_runs():
         # Once rows stop, the rate falls, and the relay sleeps under the lock again.
         await world.asleep()
         assert world.lock.held
+
+    run(test)
+
+
+def test_a_relay_sharing_the_table_judges_the_tables_rate_by_its_share():
+    async def test(world: World) -> None:
+        await world.asleep()
+        share = (RATE_FAST + RATE_SLOW) / 2 / 2  # what this one of three claims
+        # Alone at this rate the relay keeps the lock...
+        await produce(world, share, 2.0)
+        assert world.lock.woken == 0
+        # ...but it is a third of a table's rate above RATE_FAST: the lock goes, and
+        # the relay claims at the linger's pace instead of on every notification.
+        world.replicas.saw(3)
+        await produce(world, share, 2.0)
+        assert world.lock.woken == 1
+        asked = len(world.lock.asked)
+        await produce(world, share, 2.0)
+        assert len(world.lock.asked) == asked
 
     run(test)
 
