@@ -51,6 +51,16 @@ def linger_for(claimed: int) -> float:
     return min(LINGER_MAX, claimed * LINGER_PER_ROW)
 
 
+def turn_for(linger: float, drain_seconds: float, relays: int) -> float:
+    """Seconds one of ``relays`` sharing the table waits after a drain that took
+    ``drain_seconds`` and found rows, for ``linger`` alone: until each of the others
+    has had a drain and a linger too, so that together they claim as often as one
+    relay alone would (each claim finding the rows of a whole round), not ``relays``
+    times as often, each finding a share. At most LINGER_MAX a relay: after a long
+    drain (a backlog) the others' drains are no longer a guide to theirs."""
+    return min(relays * LINGER_MAX, relays * linger + (relays - 1) * drain_seconds)
+
+
 # While rows come slower than RATE_FAST a second the relay keeps the sleep lock as it
 # works: every producer then notifies, and each wake-up is one claim, with no
 # confirming claim and no lock round trip. Faster than that, a claim per commit costs
@@ -244,7 +254,9 @@ class Scheduler:
         before the lock is found now, anything after it notifies."""
         busy_streak = 0
         while not stopping.is_set():
+            drain_started = trio.current_time()
             claimed = await self.drain(stopping)
+            drain_seconds = trio.current_time() - drain_started
             if not self._lock_kept():
                 self._awake()  # if the drain ran no batch
             if stopping.is_set():
@@ -266,7 +278,8 @@ class Scheduler:
                 # lock, which would make every producer notify (and so take the
                 # notification queue's lock at commit) until we woke again.
                 found = claimed or self._wakeup.pending
-                with trio.move_on_after(linger_for(claimed) if found else self._rate.gap()):
+                turn = turn_for(linger_for(claimed), drain_seconds, self._replicas.count)
+                with trio.move_on_after(turn if found else self._rate.gap()):
                     await self._wakeup.wait_pending()
                 self._count(self._wakeup.take())
                 continue

@@ -33,6 +33,7 @@ from relay.scheduler import (
     ClaimRate,
     linger_for,
     sleep_retry_pause,
+    turn_for,
 )
 from relay.streams import short_duplicate_windows
 
@@ -421,6 +422,15 @@ def test_the_claim_rate_is_the_tables_this_relays_share_times_the_relays():
         shared.observe(now, 1, relays=3)
     assert not alone.fast
     assert shared.fast
+
+
+def test_a_relay_sharing_the_table_waits_for_the_others_turns():
+    assert turn_for(0.001, 0.002, relays=1) == 0.001  # alone: the linger
+    # Three: three lingers and the two others' drains, so that they claim together as
+    # often as one relay alone would.
+    assert turn_for(0.001, 0.002, relays=3) == pytest.approx(0.007)
+    # Never more than LINGER_MAX a relay: a long drain (a backlog) is no guide.
+    assert turn_for(LINGER_MAX, 5.0, relays=3) == 3 * LINGER_MAX
 
 
 def test_a_claim_that_finds_nothing_while_rows_come_fast_waits_about_two_rows_worth():

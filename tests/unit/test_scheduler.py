@@ -297,6 +297,40 @@ def test_a_relay_sharing_the_table_judges_the_tables_rate_by_its_share():
     run(test)
 
 
+def test_relays_sharing_the_table_take_turns_at_the_linger_pace():
+    table_rate = 2 * RATE_FAST
+
+    async def claims_in_a_second(relays: int) -> list[tuple[float, int]]:
+        """The last 20 claims that found rows of a relay, one of ``relays``, that
+        claims its share of a table's rows at ``table_rate``."""
+        world = World()
+        world.replicas.saw(relays)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(world.scheduler.run, world.stopping)
+            await world.asleep()
+            await produce(world, table_rate / relays, 1.0)
+            claims = [c for c in world.table.claims if c[1]][-20:]
+            world.stopping.set()
+            world.wakeup.set("stop")
+        return claims
+
+    def per_second(claims: list[tuple[float, int]]) -> float:
+        return (len(claims) - 1) / (claims[-1][0] - claims[0][0])
+
+    def rows_each(claims: list[tuple[float, int]]) -> float:
+        return sum(rows for _, rows in claims) / len(claims)
+
+    async def test(_: World) -> None:
+        alone, one_of_three = await claims_in_a_second(1), await claims_in_a_second(3)
+        # One of three relays waits for the others' turns after its linger: it claims
+        # about a third as often as a relay alone, and finds as many rows each time
+        # (without turns it claimed as often, finding a third of the rows).
+        assert per_second(one_of_three) < per_second(alone) / 2
+        assert rows_each(one_of_three) > rows_each(alone) / 2
+
+    run(test)
+
+
 def test_busy_claims_again_with_a_pause_that_grows_to_a_cap():
     async def test(world: World) -> None:
         world.lock.answers = [Sleep.BUSY] * 12
