@@ -36,7 +36,6 @@ from relay_tools.bench.harness import (
     INSERT,
     RelayProcess,
     Target,
-    dumps,
     produce_at_rate,
     provenance,
     wait_until_ready,
@@ -302,6 +301,23 @@ async def _main(plan: DashboardPlan) -> dict[str, Any]:
     return {"plan": asdict(plan), "phases": phases, "panels": drawn}
 
 
+def _lines(document: dict[str, Any]) -> str:
+    """The document as JSON, each panel and each series of it on a line of its own."""
+    board = document["dashboard"]
+    panels = []
+    for panel in board["panels"]:
+        head = {k: v for k, v in panel.items() if k != "series"}
+        series = ",\n".join("      " + json.dumps(s, sort_keys=True) for s in panel["series"])
+        panels.append(
+            f'    {json.dumps(head, sort_keys=True)[:-1]}, "series": [\n{series}\n    ]}}'
+        )
+    rest = {k: v for k, v in board.items() if k != "panels"}
+    return (
+        f'{{"run": {json.dumps(document["run"], sort_keys=True)},\n "dashboard": '
+        f'{json.dumps(rest, sort_keys=True)[:-1]}, "panels": [\n' + ",\n".join(panels) + "\n  ]}}"
+    )
+
+
 def main(plan: DashboardPlan, json_path: str | None) -> int:
     run = provenance()
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
@@ -312,5 +328,7 @@ def main(plan: DashboardPlan, json_path: str | None) -> int:
     if empty:
         print(f"panels with no series in this run: {', '.join(empty)}")
     if json_path:
-        Path(json_path).write_text(dumps(document) + "\n")
+        # One series to a line: thousands of points, each of them a line, made the
+        # committed figures ten thousand lines long.
+        Path(json_path).write_text(_lines(document) + "\n")
     return 0

@@ -89,3 +89,12 @@ def test_a_series_is_named_by_its_legend_and_keeps_no_rate_as_none():
         {"label": "no_stream on relay-1", "points": [[0.0, None], [2.0, 0.5]]}
     ]
     assert dashboard.legend("", {"__name__": "m", "b": "2", "a": "1"}) == "a=1, b=2"
+
+
+def test_the_dashboards_figures_are_written_a_series_to_a_line_and_read_back_whole():
+    figures = Path(__file__).resolve().parents[2] / "docs" / "img" / "dashboard.json"
+    document = json.loads(figures.read_text())
+    text = dashboard._lines(document)
+    assert json.loads(text) == document
+    series = sum(len(panel["series"]) for panel in document["dashboard"]["panels"])
+    assert len(text.splitlines()) == 3 + len(document["dashboard"]["panels"]) * 2 + series
