@@ -79,7 +79,7 @@ def read_status(conninfo: str, config: Config) -> Status:
             for subject, dead, waiting, first, error in rows.fetchall()
         ]
         table = sql.Identifier(*config.table).as_string()
-        dead_tuples, total_bytes, _ = conn.execute(
+        dead_tuples, total_bytes, _, _ = conn.execute(
             query(names, "table_health"), {"table": table}
         ).fetchall()[0]
         holders = read_holders(
