@@ -580,13 +580,7 @@ def _bench_and_plot(args: argparse.Namespace) -> int:
     else:
         document = json.loads(Path(source).read_text())
     directory = Path(args.plot)
-    if "dashboard" in document:
-        written = plots.plot_dashboard(document, directory)
-    elif "windows" in document:
-        written = plots.plot_soak(document, directory)
-    else:
-        written = plots.plot_bench(document, directory)
-    for path in written:
+    for path in plots.plot_figures(document, directory):
         print(f"wrote {path}")
     return code
 

@@ -304,17 +304,17 @@ async def _main(plan: DashboardPlan) -> dict[str, Any]:
 def _lines(document: dict[str, Any]) -> str:
     """The document as JSON, each panel and each series of it on a line of its own."""
     board = document["dashboard"]
-    panels = []
+    lines = []
     for panel in board["panels"]:
         head = {k: v for k, v in panel.items() if k != "series"}
         series = ",\n".join("      " + json.dumps(s, sort_keys=True) for s in panel["series"])
-        panels.append(
+        lines.append(
             f'    {json.dumps(head, sort_keys=True)[:-1]}, "series": [\n{series}\n    ]}}'
         )
     rest = {k: v for k, v in board.items() if k != "panels"}
     return (
         f'{{"run": {json.dumps(document["run"], sort_keys=True)},\n "dashboard": '
-        f'{json.dumps(rest, sort_keys=True)[:-1]}, "panels": [\n' + ",\n".join(panels) + "\n  ]}}"
+        f'{json.dumps(rest, sort_keys=True)[:-1]}, "panels": [\n' + ",\n".join(lines) + "\n  ]}}"
     )
 
 

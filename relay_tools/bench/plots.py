@@ -64,6 +64,15 @@ def caption(document: dict[str, Any]) -> str:
     return f"{run['command']}\n{run['machine']}, {run['date']}, build {run['build']}"
 
 
+def plot_figures(document: dict[str, Any], directory: Path) -> list[Path]:
+    """The charts of any run's figures: the dashboard's, a soak's or the bench's."""
+    if "dashboard" in document:
+        return plot_dashboard(document, directory)
+    if "windows" in document:
+        return plot_soak(document, directory)
+    return plot_bench(document, directory)
+
+
 def plot_bench(document: dict[str, Any], directory: Path) -> list[Path]:
     """The charts of a bench run (`outbox-relay bench --json`)."""
     plt = _pyplot()

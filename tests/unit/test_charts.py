@@ -59,12 +59,7 @@ def test_each_run_recorded_its_command_machine_date_and_build(source):
 @pytest.mark.parametrize("source", sorted(set(CHARTS.values())))
 def test_the_charts_are_drawn_again_from_their_figures(source, tmp_path):
     document = figures(source)
-    if "dashboard" in document:
-        drawn = plots.plot_dashboard(document, tmp_path)
-    elif "windows" in document:
-        drawn = plots.plot_soak(document, tmp_path)
-    else:
-        drawn = plots.plot_bench(document, tmp_path)
+    drawn = plots.plot_figures(document, tmp_path)
     assert {path.name for path in drawn} == {c for c, s in CHARTS.items() if s == source}
     for path in drawn:
         assert digest_in(path) == plots.figures_digest(document)
