@@ -308,9 +308,7 @@ def _lines(document: dict[str, Any]) -> str:
     for panel in board["panels"]:
         head = {k: v for k, v in panel.items() if k != "series"}
         series = ",\n".join("      " + json.dumps(s, sort_keys=True) for s in panel["series"])
-        lines.append(
-            f'    {json.dumps(head, sort_keys=True)[:-1]}, "series": [\n{series}\n    ]}}'
-        )
+        lines.append(f'    {json.dumps(head, sort_keys=True)[:-1]}, "series": [\n{series}\n    ]}}')
     rest = {k: v for k, v in board.items() if k != "panels"}
     return (
         f'{{"run": {json.dumps(document["run"], sort_keys=True)},\n "dashboard": '
