@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -368,6 +369,18 @@ class RelayProcess:
             except TimeoutError:
                 self.process.kill()
                 await self.process.wait()
+
+    def metric(self, name: str) -> float:
+        """The sum of a metric's samples on the relay's metrics endpoint (its port set
+        by ``metrics_port``), 0 if it has none."""
+        port = self._env["OUTBOX_RELAY_METRICS_PORT"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((f"{name} ", f"{name}{{"))
+        )
 
     def cpu_seconds(self) -> float:
         """CPU time the process has used so far, user and system (/proc/PID/stat)."""

@@ -14,6 +14,8 @@ At each rate, pgbench's clients commit single-row transactions (``-R``, spread o
   subjects; one clock, one machine), and from its commit (the commit time Postgres
   keeps with ``track_commit_timestamp``, of a transaction a trigger names in a side
   table: the row's own xmin is the relay's mark's by then);
+- rows held for order: claimed behind an earlier row of their subject that another
+  relay's batch held, and left for a later claim (the relays' own counter);
 - lost events (committed, not arrived within 30 s of the end);
 - with ``--window``, CPU per event in each window of that length (does it grow?).
 
@@ -56,7 +58,12 @@ from relay_tools.bench.harness import (
     wait_until_ready,
     with_database,
 )
-from relay_tools.localservers import postgres_binary, throwaway_nats, throwaway_postgres
+from relay_tools.localservers import (
+    free_port,
+    postgres_binary,
+    throwaway_nats,
+    throwaway_postgres,
+)
 
 THIS_BUILD = "this build"
 # Settle after the relays are ready and the producers start, before measuring.
@@ -140,6 +147,7 @@ class SteadyRow:
     # None where the server keeps none.
     commit_p50_ms: float | None = None
     commit_p99_ms: float | None = None
+    held_per_event: float = 0.0  # rows held for order (another relay's batch had their subject)
     windows_us_per_event: list[float] = field(default_factory=list)
     # The most called statements in the window, per event (the producers' insert too).
     top_statements: list[tuple[float, str]] = field(default_factory=list)
@@ -281,10 +289,13 @@ class SteadyTarget(Target):
             await conn.execute("create extension if not exists pg_stat_statements")
 
     def relay(self) -> RelayProcess:
+        port = str(free_port())
         if self.partitions is None:
-            return RelayProcess(self.url, self.nats_url, source=self.source)
+            return RelayProcess(self.url, self.nats_url, source=self.source, metrics_port=port)
         ahead = f"{self.partitions[1]:g}s"
-        return RelayProcess(self.url, self.nats_url, source=self.source, partitions_ahead=ahead)
+        return RelayProcess(
+            self.url, self.nats_url, source=self.source, partitions_ahead=ahead, metrics_port=port
+        )
 
 
 async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> SteadyRow:
@@ -315,6 +326,7 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
         cpu_at = [sum(relay.cpu_seconds() for relay in relays)]
         times = [measured_from]
         counts_before = await _counts(target.server_url, target.database, reset=True)
+        held_before = await _held_rows(relays)
         window = plan.window or plan.seconds
         until = measured_from + plan.seconds
         while (now := time.time()) < until - 0.05:
@@ -322,6 +334,7 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
             cpu_at.append(sum(relay.cpu_seconds() for relay in relays))
             times.append(time.time())
         counts_after = await _counts(target.server_url, target.database)
+        held = await _held_rows(relays) - held_before
         _, errors = await producing.communicate()
         if producing.returncode:
             raise RuntimeError(f"pgbench failed: {errors.decode(errors='replace')[-500:]}")
@@ -361,9 +374,18 @@ async def measure_rate(target: SteadyTarget, plan: SteadyPlan, rate: float) -> S
         commit_p50_ms=_percentile(from_commit, 0.5) * 1000 if from_commit else None,
         commit_p99_ms=_percentile(from_commit, 0.99) * 1000 if from_commit else None,
         lost=len(committed - arrivals.events.keys()),
+        held_per_event=held / max(1, events),
         windows_us_per_event=windows if plan.window else [],
         top_statements=[(calls / max(1, events), text) for calls, text in counts_after[3]],
     )
+
+
+async def _held_rows(relays: Sequence[RelayProcess]) -> float:
+    """Rows held for order so far, by all ``relays`` together."""
+    held = await asyncio.gather(
+        *(asyncio.to_thread(relay.metric, "outbox_relay_held_rows_total") for relay in relays)
+    )
+    return sum(held)
 
 
 async def _stopped(process: asyncio.subprocess.Process) -> None:
@@ -467,6 +489,8 @@ def render_row(row: SteadyRow, *, show_statements: bool = False) -> str:
     )
     if show_statements:
         line += "".join(f"\n    {per:6.3f} per event: {text}" for per, text in row.top_statements)
+    if row.held_per_event:
+        line += f"\n  rows held for order: {row.held_per_event * 1000:.1f} per 1,000 events"
     if row.windows_us_per_event:
         each = ", ".join(f"{w:,.0f}" for w in row.windows_us_per_event)
         line += f"\n  CPU per event by window (µs): {each}"
