@@ -33,7 +33,6 @@ from relay.listen_connection import PostgresListenConnection
 from relay.listener import Listener, server_idle_timeout
 from relay.metrics import Metrics
 from relay.partitions import run_partition_creation
-from relay.replicas import Replicas
 from relay.retention import run_retention
 from relay.retry import retry
 from relay.scheduler import Scheduler
@@ -93,7 +92,6 @@ class Relay:
             ).inc(),
         )
         self.tracing = start_tracing(row_spans=config.trace_rows)
-        self.replicas = Replicas()
         batch = Batch(
             config=config,
             database=self.database,
@@ -110,7 +108,6 @@ class Relay:
             health=self.health,
             wakeup=self.wakeup,
             listener=self.listener,
-            replicas=self.replicas,
         )
         self._scheduler_started = False
         self._said_not_heard = False
@@ -288,7 +285,7 @@ class Relay:
         nursery.start_soon(self._connect_broker)
         nursery.start_soon(self.listener.run)
         nursery.start_soon(self._poll)
-        nursery.start_soon(run_gauges, config, self.database, self.metrics, self.replicas)
+        nursery.start_soon(run_gauges, config, self.database, self.metrics)
         nursery.start_soon(run_writer_polls, self.database, self.metrics)
         nursery.start_soon(run_retention, config, self.database, self.metrics)
         nursery.start_soon(run_partition_creation, config, self.database, self.metrics)

@@ -14,7 +14,6 @@ from relay.database import Database
 from relay.errors import RelayError
 from relay.horizon import XidClock, describe, holder_seconds
 from relay.metrics import Metrics
-from relay.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +53,10 @@ class _Horizon:
         self.warned = False
         self.seconds = 0.0  # how long the oldest holder has held it, at the last read
 
-    async def read(
-        self, config: Config, database: Database, metrics: Metrics, replicas: Replicas
-    ) -> None:
+    async def read(self, config: Config, database: Database, metrics: Metrics) -> None:
         now = trio.current_time()
         health, holders = await database.horizon()
         self.clock.sample(now, health.next_xid)
-        replicas.saw(health.relays)
         metrics.relays.set(health.relays)
         metrics.table_dead_tuples.set(health.dead_tuples)
         metrics.table_bytes.set(health.total_bytes)
@@ -104,17 +100,13 @@ async def _sweep(config: Config, database: Database) -> None:
         database.claim_start.rewind()
 
 
-async def run_gauges(
-    config: Config, database: Database, metrics: Metrics, replicas: Replicas
-) -> None:
+async def run_gauges(config: Config, database: Database, metrics: Metrics) -> None:
     horizon = _Horizon()
     backlog_due = trio.current_time()
     sweep_due = trio.current_time() + SWEEP_INTERVAL
     while True:
         now = trio.current_time()
-        await _attempt(
-            "read the table's health", horizon.read(config, database, metrics, replicas), metrics
-        )
+        await _attempt("read the table's health", horizon.read(config, database, metrics), metrics)
         if now >= backlog_due:
             started = trio.current_time()
             await _attempt("read the backlog", _read_backlog(config, database, metrics), metrics)

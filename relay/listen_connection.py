@@ -154,6 +154,17 @@ class PostgresListenConnection:
         await self._execute(sql.SQL("listen {}").format(sql.Identifier(channel)))
         await self._execute(query(self._names, "presence_lock"))
 
+    async def set_listening(self, channel: str, listening: bool) -> None:
+        verb = "listen" if listening else "unlisten"
+        await self._execute(sql.SQL(verb + " {}").format(sql.Identifier(channel)))
+
+    async def try_pace_lock(self) -> bool:
+        row = await self._execute(query(self._names, "pace_lock"))
+        return bool(row and row[0])
+
+    async def release_pace_lock(self) -> None:
+        await self._execute(query(self._names, "pace_unlock"))
+
     async def probe(self) -> None:
         await self._execute(sql.SQL("select 1"))
 

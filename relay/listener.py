@@ -8,7 +8,9 @@ have committed while nobody listened, and the poll timer covers anything else.
 The sleep lock (see ``sql/install/003_notify_trigger.sql``) lives on this
 connection on purpose: if the connection dies, the lock goes with it, producers
 stop notifying, and the reconnect sweep covers the gap, exactly as for a lost
-LISTEN.
+LISTEN. So does the pace lock: of the relays sharing a table, the one holding it
+paces the table, and the others stand by (see relay/scheduler.py); when that relay
+goes, its lock goes with its session, and another relay takes it.
 
 This module decides; the connection itself is a port (:class:`ListenConnection`):
 Postgres's is :mod:`relay.listen_connection`, and the unit tests drive the same
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -63,6 +66,14 @@ class ListenConnection(Protocol):
 
     async def release_sleep_lock(self) -> None: ...
 
+    async def set_listening(self, channel: str, listening: bool) -> None:
+        """LISTEN on ``channel`` again, or UNLISTEN (a relay standing by)."""
+        ...
+
+    async def try_pace_lock(self) -> bool: ...
+
+    async def release_pace_lock(self) -> None: ...
+
     async def wait_for_notification(self, seconds: float, notified: Callable[[], None]) -> int:
         """Up to ``seconds`` for a notification, calling ``notified`` as it comes; how
         many came."""
@@ -97,6 +108,11 @@ SELF_CHECK_SECONDS = 1.0
 # (a check that failed for a moment's reason, a database too busy to deliver within
 # the seconds above, must not leave a relay on its poll for good).
 SELF_CHECK_AGAIN = 300.0
+
+# While another relay paces the table, how often to try its pace lock: how long the
+# relays stand by after the pacing relay went (they claim meanwhile, every
+# STANDBY_PAUSE), for a statement a second on a standing-by relay's connection.
+PACE_RETRY = 1.0
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -146,6 +162,10 @@ class Listener:
         self._grants = 0  # how many times this task has been granted the sleep lock
         self._answer: trio.MemorySendChannel[Sleep] | None = None
         self._poke = trio.Event()
+        self._paces = False  # holds the pace lock
+        self._listening_to_channel = False  # LISTEN, not UNLISTEN, was the last said
+        self._want_pace = True  # the scheduler can publish, so may pace
+        self._pace_tried_at = -math.inf
 
     # -- the scheduler's side ---------------------------------------------------
 
@@ -169,6 +189,20 @@ class Listener:
         """Whether the sleep lock has been held since ``grant`` without a break: every
         producer that committed since then has notified."""
         return self._holding and self._grants == grant
+
+    @property
+    def stands_by(self) -> bool:
+        """Whether another relay paces the table: this one listens and does not hold
+        the pace lock."""
+        return self._health.listening and not self._paces
+
+    def pace(self, wanted: bool) -> None:
+        """Whether this relay may pace the table: not while it cannot publish, so that
+        another relay paces it meanwhile."""
+        if wanted != self._want_pace:
+            self._want_pace = wanted
+            self._pace_tried_at = -math.inf
+            self._poke.set()
 
     def wake_up(self) -> None:
         """The scheduler is awake: let the lock go, so producers stop notifying."""
@@ -211,6 +245,7 @@ class Listener:
             conn = await self._connect()
         try:
             await conn.listen(self._channel)
+            self._listening_to_channel = True
             if self._self_check is not None:
                 heard = await self._heard_itself(conn)
                 self._self_check = None  # at the first connect (and after a failed one)
@@ -222,6 +257,8 @@ class Listener:
                     log.info("the LISTEN connection hears notifications now: listening")
                     self._health.poll_only = ""
                     self._metrics.poll_only.set(0)
+            self._pace_tried_at = -math.inf
+            await self._serve_pace(conn)
             self._set_state(up=True)
             backoff.reset()
             log.info("listening on channel %s", self._channel)
@@ -230,7 +267,8 @@ class Listener:
             self._spoke_at = trio.current_time()
             while True:
                 await self._serve_requests(conn)
-                quiet_until = self._spoke_at + self._keepalive
+                await self._serve_pace(conn)
+                quiet_until = min(self._spoke_at + self._keepalive, self._next_pace_try())
                 if trio.current_time() >= quiet_until:
                     # Nothing said on this connection for a whole keepalive, however many
                     # notifications came: make sure it still works. It also shows the
@@ -244,6 +282,7 @@ class Listener:
             # asking to sleep meanwhile must hear DEAF at once, not wait for an answer.
             self._set_state(up=False)
             self._holding = False
+            self._set_pacing(False)
             self._answer_request(Sleep.DEAF)
             await conn.close()
 
@@ -275,6 +314,38 @@ class Listener:
             await conn.release_sleep_lock()
             self._spoke_at = trio.current_time()
             self._holding = False
+
+    def _next_pace_try(self) -> float:
+        if self._paces or not self._want_pace:
+            return math.inf
+        return self._pace_tried_at + PACE_RETRY
+
+    async def _serve_pace(self, conn: ListenConnection) -> None:
+        """Take the pace lock when it is free and the scheduler may pace; let it go
+        when it may not. Only the relay that paces listens: the others claim on their
+        own pace, and notifications would only cost them (and the server, which
+        reads its queue for every session listening) for nothing."""
+        if self._paces and not self._want_pace:
+            await conn.release_pace_lock()
+            await conn.set_listening(self._channel, False)
+            self._listening_to_channel = False
+            self._spoke_at = trio.current_time()
+            self._set_pacing(False)
+            log.info("no longer pacing the table: NATS is unreachable from this relay")
+        elif trio.current_time() >= self._next_pace_try():
+            self._pace_tried_at = self._spoke_at = trio.current_time()
+            paces = await conn.try_pace_lock()
+            if paces != self._listening_to_channel:
+                await conn.set_listening(self._channel, paces)
+                self._listening_to_channel = paces
+            if paces:
+                self._set_pacing(True)
+                # Rows may have committed while this relay did not listen: sweep.
+                self._wakeup.set("reconnect")
+
+    def _set_pacing(self, paces: bool) -> None:
+        self._paces = paces
+        self._metrics.pacing.set(1 if paces else 0)
 
     async def _take_sleep_lock(self, conn: ListenConnection) -> Sleep:
         if not await conn.try_sleep_lock():

@@ -175,6 +175,7 @@ class Metrics:
     audit_expired: Gauge
     audit_last_success: Gauge
     audit_failures: Counter
+    pacing: Gauge
     listen_connected: Gauge
     schema_rejections: Counter
     schemaless_rows: Counter

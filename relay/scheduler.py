@@ -25,7 +25,6 @@ from relay.health import Health
 from relay.listener import Sleep
 from relay.metrics import Metrics
 from relay.model import Acked, Failed, FailureReason, PublishResult
-from relay.replicas import Replicas
 from relay.retry import retry
 from relay.wakeup import Wakeup
 
@@ -46,19 +45,19 @@ LINGER_PER_ROW = 0.0002
 LINGER_MAX = 0.01
 
 
+# Of the relays sharing a table, the one holding its pace lock (relay/listener.py)
+# claims as a relay alone would; the others stand by, claiming only this often. Each
+# relay claiming on its own pace, or all of them on every notification, cost two to
+# three times one relay's CPU for the same rows (docs/performance.md). A standby's
+# claims take what the pacing relay leaves: the rows beyond what it can take alone,
+# and all of them while it is gone, until another relay takes its pace lock (within
+# the listener's PACE_RETRY).
+STANDBY_PAUSE = 0.05
+
+
 def linger_for(claimed: int) -> float:
     """Seconds to wait for more rows after a drain that claimed ``claimed``."""
     return min(LINGER_MAX, claimed * LINGER_PER_ROW)
-
-
-def turn_for(linger: float, drain_seconds: float, relays: int) -> float:
-    """Seconds one of ``relays`` sharing the table waits after a drain that took
-    ``drain_seconds`` and found rows, for ``linger`` alone: until each of the others
-    has had a drain and a linger too, so that together they claim as often as one
-    relay alone would (each claim finding the rows of a whole round), not ``relays``
-    times as often, each finding a share. At most LINGER_MAX a relay: after a long
-    drain (a backlog) the others' drains are no longer a guide to theirs."""
-    return min(relays * LINGER_MAX, relays * linger + (relays - 1) * drain_seconds)
 
 
 # While rows come slower than RATE_FAST a second the relay keeps the sleep lock as it
@@ -69,8 +68,6 @@ def turn_for(linger: float, drain_seconds: float, relays: int) -> float:
 # scheduler claims at the linger pace until the rate falls below RATE_SLOW. Decided
 # by the rate, not by one batch's size, so that the way the relay runs at a given
 # load does not depend on its history (docs/performance.md, *Two ways of running*);
-# by the table's rate, not this relay's share of it: with the lock kept every relay
-# claims on every notification, so relays sharing a table pay that once each.
 RATE_FAST = 600.0
 RATE_SLOW = 400.0
 # Rows claimed a second are averaged over about this long.
@@ -78,21 +75,19 @@ RATE_WINDOW = 0.5
 
 
 class ClaimRate:
-    """Rows claimed a second, decayed exponentially over RATE_WINDOW, and whether the
-    table's rate is fast: this relay's times the relays sharing the table (each claims
-    its share), above RATE_FAST, and until it falls below RATE_SLOW."""
+    """Rows claimed a second, decayed exponentially over RATE_WINDOW, and whether they
+    come fast: above RATE_FAST, and until the rate falls below RATE_SLOW."""
 
     def __init__(self) -> None:
         self._rows = 0.0  # decayed to _at
         self._at = 0.0
         self.fast = False
 
-    def observe(self, now: float, rows: int, relays: int = 1) -> bool:
-        """Count ``rows`` claimed at ``now`` by this one of ``relays``; whether rows
-        come fast."""
+    def observe(self, now: float, rows: int) -> bool:
+        """Count ``rows`` claimed at ``now``; whether rows come fast."""
         self._rows = self._rows * math.exp(min(0.0, self._at - now) / RATE_WINDOW) + rows
         self._at = max(self._at, now)
-        per_second = self._rows / RATE_WINDOW * relays
+        per_second = self._rows / RATE_WINDOW
         self.fast = per_second >= RATE_SLOW if self.fast else per_second > RATE_FAST
         return self.fast
 
@@ -205,6 +200,15 @@ class SleepLock(Protocol):
         """Whether this relay has held the sleep lock since ``grant`` without a break."""
         ...
 
+    @property
+    def stands_by(self) -> bool:
+        """Whether another relay sharing the table paces it (holds its pace lock)."""
+        ...
+
+    def pace(self, wanted: bool) -> None:
+        """Whether this relay may pace the table (not while it cannot publish)."""
+        ...
+
 
 class BrokerLink(Protocol):
     """Whether there is a broker to publish to (:class:`relay.broker.Broker`)."""
@@ -228,7 +232,6 @@ class Scheduler:
         health: Health,
         wakeup: Wakeup,
         listener: SleepLock,
-        replicas: Replicas,
     ) -> None:
         self._config = config
         self._run_batch = run_batch
@@ -237,7 +240,6 @@ class Scheduler:
         self._health = health
         self._wakeup = wakeup
         self._listener = listener
-        self._replicas = replicas
         self.heartbeat = 0.0
         self._woken = False
         # The grant of the sleep lock kept while rows come slowly (see RATE_FAST).
@@ -254,18 +256,14 @@ class Scheduler:
         before the lock is found now, anything after it notifies."""
         busy_streak = 0
         while not stopping.is_set():
-            drain_started = trio.current_time()
             claimed = await self.drain(stopping)
-            drain_seconds = trio.current_time() - drain_started
             if not self._lock_kept():
                 self._awake()  # if the drain ran no batch
             if stopping.is_set():
                 break
-            if not self._broker.connected:
-                # Nothing can be published: no sleep lock, so producers do not notify
-                # a relay that could not act on it. The reconnect (or the poll) wakes us.
-                self._let_lock_go()
-                self._count(await self._wakeup.wait())
+            self._listener.pace(self._broker.connected)
+            if not self._broker.connected or self._listener.stands_by:
+                await self._stand_aside(stopping)
                 continue
             if self._lock_kept():
                 # Light load, the sleep lock held since before this drain's claims:
@@ -278,8 +276,7 @@ class Scheduler:
                 # lock, which would make every producer notify (and so take the
                 # notification queue's lock at commit) until we woke again.
                 found = claimed or self._wakeup.pending
-                turn = turn_for(linger_for(claimed), drain_seconds, self._replicas.count)
-                with trio.move_on_after(turn if found else self._rate.gap()):
+                with trio.move_on_after(linger_for(claimed) if found else self._rate.gap()):
                     await self._wakeup.wait_pending()
                 self._count(self._wakeup.take())
                 continue
@@ -310,6 +307,22 @@ class Scheduler:
             # The sleep lock goes after the first batch (see _awake).
             self._woken = True
             self._count(reasons)
+
+    async def _stand_aside(self, stopping: trio.Event) -> None:
+        """Wait without the sleep lock, so that producers do not notify this relay:
+        while there is no broker to publish to, until the reconnect (or the poll)
+        wakes it; while another relay sharing the table paces it, as a relay alone
+        would, for STANDBY_PAUSE, deaf to notifications, to claim the rows that relay
+        leaves (more than it can take, or all of them while it is gone and before
+        this one takes over its pace lock)."""
+        self._let_lock_go()
+        if not self._broker.connected:
+            self._count(await self._wakeup.wait())
+            return
+        with trio.move_on_after(STANDBY_PAUSE):
+            await stopping.wait()
+        self._wakeup.take()
+        self.heartbeat = trio.current_time()
 
     def _lock_kept(self) -> bool:
         return self._kept is not None and self._listener.holds(self._kept)
@@ -460,7 +473,7 @@ class Scheduler:
             raise UnexpectedError(f"unexpected {first_line(exc)}") from exc
         finally:
             self._awake()
-        if self._rate.observe(trio.current_time(), len(outcome.rows), self._replicas.count):
+        if self._rate.observe(trio.current_time(), len(outcome.rows)):
             self._let_lock_go()
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()

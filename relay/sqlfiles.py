@@ -92,6 +92,9 @@ PARTITION_LOCK_CLASS = 0x0B10
 # Held shared by every relay of the table on its LISTEN connection while connected:
 # counted, it is how many relays share the table (relay/replicas.py).
 PRESENCE_LOCK_CLASS = 0x0B11
+# Held by the one relay of the table that paces it, on its LISTEN connection: the
+# others stand by (relay/scheduler.py, STANDBY_PAUSE).
+PACE_LOCK_CLASS = 0x0B12
 
 
 def idle_lock_key(config: Config) -> int:
@@ -158,6 +161,10 @@ class Names:
     @property
     def presence_lock(self) -> sql.Composed:
         return sql.SQL("{}, {}").format(sql.Literal(PRESENCE_LOCK_CLASS), self.idle_lock_key2)
+
+    @property
+    def pace_lock(self) -> sql.Composed:
+        return sql.SQL("{}, {}").format(sql.Literal(PACE_LOCK_CLASS), self.idle_lock_key2)
 
     @property
     def display(self) -> str:
@@ -269,6 +276,7 @@ class Names:
             partition_lock=self.partition_lock,
             presence_lock=self.presence_lock,
             presence_lock_key1=sql.Literal(PRESENCE_LOCK_CLASS),
+            pace_lock=self.pace_lock,
             idle_lock_key1=self.idle_lock_key1,
             idle_lock_key2=self.idle_lock_key2,
         )

@@ -570,6 +570,15 @@ select pg_advisory_unlock({idle_lock});
 -- session lasts, so that the relays sharing the table can be counted (table_health).
 select pg_advisory_lock_shared({presence_lock});
 
+-- name: pace_lock
+-- Run on the LISTEN connection: the relay that gets it paces the table (claims as a
+-- relay alone would), the others stand by. Held until the session ends or the relay
+-- lets it go (while it cannot publish), so that another relay takes it then.
+select pg_try_advisory_lock({pace_lock});
+
+-- name: pace_unlock
+select pg_advisory_unlock({pace_lock});
+
 -- name: idle_sleeper
 -- Another relay asleep (holding the lock exclusively) makes producers notify, so
 -- this relay may sleep too. Two-key advisory locks show as objsubid 2.

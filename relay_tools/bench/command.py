@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relay.sqlfiles import IDLE_LOCK_CLASS
 from relay_tools.bench import measure
 from relay_tools.bench.harness import (
     RelayProcess,
@@ -362,10 +363,10 @@ async def _producer_cost(plan: Plan, progress: Progress, report: Report, target:
     )
 
 
-SLEEP_LOCK_HELD = """
+SLEEP_LOCK_HELD = f"""
 select count(*) from pg_locks l join pg_stat_activity a on a.pid = l.pid
- where l.locktype = 'advisory' and l.mode = 'ExclusiveLock' and l.granted
-   and a.application_name = 'outbox-relay listen' and a.datname = current_database()
+ where l.locktype = 'advisory' and l.classid = {IDLE_LOCK_CLASS} and l.mode = 'ExclusiveLock'
+   and l.granted and a.application_name = 'outbox-relay listen' and a.datname = current_database()
 """
 
 # A freeze must stop taxing producers within this long (the outage issue's target).

@@ -159,6 +159,36 @@ def test_two_relays_share_one_table_and_publish_each_row_once(db_url, stream, st
     assert duplicates == 0
 
 
+def test_one_of_two_relays_paces_the_table_and_the_other_takes_over_when_it_goes(
+    db_url, stream, start_relay
+):
+    """Of the relays sharing a table, the one holding its pace lock claims as a relay
+    alone would, and alone listens; the other stands by, claiming every
+    STANDBY_PAUSE. When the pacing relay stops, its lock goes with its session, and
+    the other takes it."""
+    first = start_relay()
+    wait_until(lambda: first.metric("outbox_relay_pacing") == 1, message="the first paces")
+    second = start_relay()
+    wait_until(
+        lambda: second.metric("outbox_relay_listen_connected") == 1, message="the second listens"
+    )
+    assert second.metric("outbox_relay_pacing") == 0
+    events = [Event(stream.subject("paced"), f"entity-{i}") for i in range(20)]
+    for event in events:  # light load: one row a transaction, each notifying
+        database.insert(db_url, [event])
+    delivered(stream, 20)
+    assert first.metric("outbox_relay_wakeups_total", reason="notify") >= 1
+    assert second.metric("outbox_relay_wakeups_total", reason="notify") == 0  # not listening
+    first.stop()
+    wait_until(lambda: second.metric("outbox_relay_pacing") == 1, message="the second paces")
+    more = [Event(stream.subject("paced"), f"entity-{i}") for i in range(20, 40)]
+    for event in more:
+        database.insert(db_url, [event])
+    ids = {m.msg_id for m in delivered(stream, 40)}
+    assert ids == {str(e.id) for e in events + more}
+    assert second.metric("outbox_relay_wakeups_total", reason="notify") >= 1
+
+
 def test_per_subject_order_across_two_relays(db_url, stream, start_relay):
     start_relay(batch_size=7)
     start_relay(batch_size=7)

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from relay.sqlfiles import IDLE_LOCK_CLASS
 from tests.support import database
 from tests.support.database import Event
 from tests.support.proxy import proxy_to
@@ -167,10 +168,10 @@ def test_password_never_appears_in_logs(db_url, start_relay):
     assert secret not in logs
 
 
-SLEEP_LOCK_HOLDERS = """
+SLEEP_LOCK_HOLDERS = f"""
 select a.pid from pg_locks l join pg_stat_activity a on a.pid = l.pid
- where l.locktype = 'advisory' and l.mode = 'ExclusiveLock' and l.granted
-   and a.application_name = 'outbox-relay listen' and a.datname = current_database()
+ where l.locktype = 'advisory' and l.classid = {IDLE_LOCK_CLASS} and l.mode = 'ExclusiveLock'
+   and l.granted and a.application_name = 'outbox-relay listen' and a.datname = current_database()
 """
 
 

@@ -33,7 +33,6 @@ from relay.scheduler import (
     ClaimRate,
     linger_for,
     sleep_retry_pause,
-    turn_for,
 )
 from relay.streams import short_duplicate_windows
 
@@ -409,28 +408,6 @@ def test_the_claim_rate_is_fast_above_the_fast_rate_and_until_below_the_slow_one
     # Batches count by their rows, and a pause with none counts as time gone by.
     assert rate.observe(now + 0.001, 500)
     assert not rate.observe(now + 5, 0)
-
-
-def test_the_claim_rate_is_the_tables_this_relays_share_times_the_relays():
-    # Three relays at 1,000 events/s claim about 333 a second each: fast, though
-    # one relay claiming that many alone would be slow.
-    alone, shared = ClaimRate(), ClaimRate()
-    now = 0.0
-    for _ in range(round(RATE_FAST / 2 * 5)):
-        now += 2 / RATE_FAST
-        alone.observe(now, 1)
-        shared.observe(now, 1, relays=3)
-    assert not alone.fast
-    assert shared.fast
-
-
-def test_a_relay_sharing_the_table_waits_for_the_others_turns():
-    assert turn_for(0.001, 0.002, relays=1) == 0.001  # alone: the linger
-    # Three: three lingers and the two others' drains, so that they claim together as
-    # often as one relay alone would.
-    assert turn_for(0.001, 0.002, relays=3) == pytest.approx(0.007)
-    # Never more than LINGER_MAX a relay: a long drain (a backlog) is no guide.
-    assert turn_for(LINGER_MAX, 5.0, relays=3) == 3 * LINGER_MAX
 
 
 def test_a_claim_that_finds_nothing_while_rows_come_fast_waits_about_two_rows_worth():

@@ -1,6 +1,7 @@
 """The LISTEN task's protocol with the publisher (SAFE, SAFE_OTHER, BUSY, DEAF, held
-all along), its keepalive and its reconnects: the real Listener, a fake connection
-that models the sleep lock the way Postgres holds it, and trio's virtual clock."""
+all along), the pace lock, its keepalive and its reconnects: the real Listener, a
+fake connection that models the sleep and pace locks the way Postgres holds them,
+and trio's virtual clock."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from relay.errors import DatabaseUnavailable
 from relay.health import Health
-from relay.listener import SELF_CHECK_AGAIN, Listener, Sleep
+from relay.listener import PACE_RETRY, SELF_CHECK_AGAIN, Listener, Sleep
 from relay.metrics import Metrics
 from relay.wakeup import Wakeup
 
@@ -23,6 +24,8 @@ class LockServer:
 
     def __init__(self) -> None:
         self.holder: FakeConnection | None = None
+        self.pacer: object | None = None  # who holds the pace lock (another relay: any object)
+        self.pace_tries = 0
         self.producers_in_flight = False
         self.other_relay_sleeps = False
         self.connections: list[FakeConnection] = []
@@ -74,6 +77,25 @@ class FakeConnection:
         self._check()
         return self.server.other_relay_sleeps
 
+    async def set_listening(self, channel: str, listening: bool) -> None:
+        await trio.lowlevel.checkpoint()
+        self._check()
+        self.listening = channel if listening else None
+
+    async def try_pace_lock(self) -> bool:
+        await trio.lowlevel.checkpoint()
+        self._check()
+        self.server.pace_tries += 1
+        if self.server.pacer not in (None, self):
+            return False
+        self.server.pacer = self
+        return True
+
+    async def release_pace_lock(self) -> None:
+        self._check()
+        assert self.server.pacer is self
+        self.server.pacer = None
+
     async def release_sleep_lock(self) -> None:
         self._check()
         assert self.server.holder is self
@@ -106,14 +128,18 @@ class FakeConnection:
         return False
 
     async def close(self) -> None:
-        # The lock dies with its session.
+        # The locks die with their session.
         if self.server.holder is self:
             self.server.holder = None
+        if self.server.pacer is self:
+            self.server.pacer = None
 
 
 class World:
-    def __init__(self, keepalive: float = 10.0) -> None:
+    def __init__(self, keepalive: float = 10.0, other_pacer: bool = False) -> None:
         self.server = LockServer()
+        if other_pacer:
+            self.server.pacer = object()  # another relay's session
         self.wakeup = Wakeup()
         self.health = Health()
         self.metrics = Metrics(CollectorRegistry())
@@ -147,7 +173,7 @@ class World:
                 await trio.sleep(step)
 
 
-def run(test: Callable[[World], Awaitable[None]], **kwargs: float) -> None:
+def run(test: Callable[[World], Awaitable[None]], **kwargs: float | bool) -> None:
     async def main() -> None:
         world = World(**kwargs)
         async with trio.open_nursery() as nursery:
@@ -243,6 +269,70 @@ def test_a_second_sleep_asked_before_the_lock_went_is_answered_safe_from_the_hel
         assert trio.current_time() == started  # answered, not left to time out
         assert world.server.releases == 0  # held all along
         assert world.server.holder is world.conn
+
+    run(test)
+
+
+def test_the_first_relay_paces_the_table_and_a_relay_after_it_stands_by():
+    async def test(world: World) -> None:
+        # Alone: the pace lock taken before the connection counts as listening.
+        assert world.server.pacer is world.conn
+        assert not world.listener.stands_by
+        assert world.metrics.registry.get_sample_value("outbox_relay_pacing") == 1
+
+    run(test)
+
+    async def another_paces(world: World) -> None:
+        assert world.listener.stands_by
+        assert world.conn.listening is None  # notifications are for the relay that paces
+        assert world.metrics.registry.get_sample_value("outbox_relay_pacing") == 0
+        # It tries again every PACE_RETRY, and paces once the other relay has gone.
+        tries = world.server.pace_tries
+        await trio.sleep(PACE_RETRY * 3 + 0.001)
+        assert world.server.pace_tries == tries + 3
+        gone_at = trio.current_time()
+        world.server.pacer = None
+        await world.until(lambda: not world.listener.stands_by)
+        assert world.server.pacer is world.conn
+        assert trio.current_time() - gone_at <= PACE_RETRY
+        assert world.conn.listening == "outbox_events"
+        assert "reconnect" in world.wakeup.take()  # a sweep: it was deaf until now
+        tries = world.server.pace_tries
+        await trio.sleep(PACE_RETRY * 3)
+        assert world.server.pace_tries == tries  # pacing: nothing more to try
+
+    run(another_paces, other_pacer=True)
+
+
+def test_a_relay_that_may_not_pace_lets_the_pace_lock_go_and_takes_it_again_after():
+    async def test(world: World) -> None:
+        assert world.server.pacer is world.conn
+        world.listener.pace(False)  # no broker to publish to
+        await world.until(lambda: world.server.pacer is None)
+        assert world.conn.listening is None
+        assert world.metrics.registry.get_sample_value("outbox_relay_pacing") == 0
+        await trio.sleep(PACE_RETRY * 3)
+        assert world.server.pacer is None  # not taken again meanwhile
+        world.listener.pace(True)
+        await world.until(lambda: world.server.pacer is world.conn, limit=0.01)
+        assert not world.listener.stands_by
+        assert world.conn.listening == "outbox_events"
+
+    run(test)
+
+
+def test_the_pace_lock_goes_with_a_lost_connection_and_comes_back_with_the_next():
+    async def test(world: World) -> None:
+        first = world.conn
+        world.server.refuse_connections = True
+        first.lose()
+        await world.until(lambda: not world.health.listening)
+        assert world.server.pacer is None
+        assert not world.listener.stands_by  # not listening: it runs as a relay alone
+        assert world.metrics.registry.get_sample_value("outbox_relay_pacing") == 0
+        world.server.refuse_connections = False
+        await world.until(lambda: world.health.listening)
+        assert world.server.pacer is world.conn is not first
 
     run(test)
 

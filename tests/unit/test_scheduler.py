@@ -22,13 +22,13 @@ from relay.listener import Sleep
 from relay.marks import Marks
 from relay.metrics import Metrics
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
-from relay.replicas import Replicas
 from relay.scheduler import (
     BATCHES_IN_FLIGHT,
     LINGER_MAX,
     RATE_FAST,
     RATE_SLOW,
     SLEEP_RETRY_MAX,
+    STANDBY_PAUSE,
     Scheduler,
     sleep_retry_pause,
 )
@@ -89,6 +89,8 @@ class SleepLock:
         self.woken = 0
         self.held = False
         self.grant = 0
+        self.stands_by = False  # another relay paces the table
+        self.paced: list[bool] = []  # what the scheduler said, each time round
         self._table = table
 
     async def prepare_sleep(self) -> Sleep:
@@ -109,6 +111,9 @@ class SleepLock:
     def holds(self, grant: int) -> bool:
         return self.held and self.grant == grant
 
+    def pace(self, wanted: bool) -> None:
+        self.paced.append(wanted)
+
 
 class BrokerLink:
     connected = True
@@ -123,7 +128,6 @@ class World:
         self.health = Health(listening=True, broker=True)  # their tasks are not here
         self.metrics = Metrics(CollectorRegistry())
         self.stopping = trio.Event()
-        self.replicas = Replicas()
         self.scheduler = Scheduler(
             config=Config(batch_size=BATCH_SIZE),
             run_batch=self.table.run_batch,
@@ -132,7 +136,6 @@ class World:
             health=self.health,
             wakeup=self.wakeup,
             listener=self.lock,
-            replicas=self.replicas,
         )
 
     def metric(self, name: str, **labels: str) -> float:
@@ -278,55 +281,64 @@ def test_rows_flowing_between_the_two_rates_keep_the_way_the_relay_runs():
     run(test)
 
 
-def test_a_relay_sharing_the_table_judges_the_tables_rate_by_its_share():
+def test_a_relay_standing_by_claims_every_standby_pause_deaf_to_notifications():
     async def test(world: World) -> None:
         await world.asleep()
-        share = (RATE_FAST + RATE_SLOW) / 2 / 2  # what this one of three claims
-        # Alone at this rate the relay keeps the lock...
-        await produce(world, share, 2.0)
-        assert world.lock.woken == 0
-        # ...but it is a third of a table's rate above RATE_FAST: the lock goes, and
-        # the relay claims at the linger's pace instead of on every notification.
-        world.replicas.saw(3)
-        await produce(world, share, 2.0)
-        assert world.lock.woken == 1
+        world.lock.stands_by = True  # another relay took the pace lock
+        world.table.pending = 1
+        world.wakeup.set("notify")
+        # Woken once more, it lets the sleep lock go and stands by: a claim every
+        # STANDBY_PAUSE, whatever notifications come, and never the sleep lock.
+        started = len(world.table.claims)
         asked = len(world.lock.asked)
-        await produce(world, share, 2.0)
+        with trio.move_on_after(1.0):
+            while True:  # fewer rows a claim than a batch holds
+                await trio.sleep(STANDBY_PAUSE / 5)
+                world.table.pending += 1
+                world.wakeup.set("notify")
+        claims = world.table.claims[started:]
+        assert not world.lock.held
         assert len(world.lock.asked) == asked
+        gaps = [b[0] - a[0] for a, b in pairwise(claims[1:])]
+        assert gaps, claims
+        assert min(gaps) >= STANDBY_PAUSE
+        assert max(gaps) <= STANDBY_PAUSE + 2 * BATCH_TIME + 1e-9
+        # It takes what it finds: with rows left, they are drained.
+        assert all(rows for _, rows in claims[1:])
 
     run(test)
 
 
-def test_relays_sharing_the_table_take_turns_at_the_linger_pace():
-    table_rate = 2 * RATE_FAST
+def test_a_relay_that_takes_the_pace_lock_runs_as_a_relay_alone():
+    async def test(world: World) -> None:
+        world.lock.stands_by = True
+        await trio.sleep(1.0)
+        assert world.metric("outbox_relay_sleeps_total") == 0
+        claims = len(world.table.claims)
+        assert claims >= 1.0 / (STANDBY_PAUSE + BATCH_TIME) - 1
+        world.lock.stands_by = False  # the relay that paced has gone
+        await world.asleep()
+        # Asleep under the sleep lock, woken by notifications again.
+        world.table.pending = 1
+        world.wakeup.set("notify")
+        await world.asleep()
+        assert world.table.pending == 0
 
-    async def claims_in_a_second(relays: int) -> list[tuple[float, int]]:
-        """The last 20 claims that found rows of a relay, one of ``relays``, that
-        claims its share of a table's rows at ``table_rate``."""
-        world = World()
-        world.replicas.saw(relays)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(world.scheduler.run, world.stopping)
-            await world.asleep()
-            await produce(world, table_rate / relays, 1.0)
-            claims = [c for c in world.table.claims if c[1]][-20:]
-            world.stopping.set()
-            world.wakeup.set("stop")
-        return claims
+    run(test)
 
-    def per_second(claims: list[tuple[float, int]]) -> float:
-        return (len(claims) - 1) / (claims[-1][0] - claims[0][0])
 
-    def rows_each(claims: list[tuple[float, int]]) -> float:
-        return sum(rows for _, rows in claims) / len(claims)
-
-    async def test(_: World) -> None:
-        alone, one_of_three = await claims_in_a_second(1), await claims_in_a_second(3)
-        # One of three relays waits for the others' turns after its linger: it claims
-        # about a third as often as a relay alone, and finds as many rows each time
-        # (without turns it claimed as often, finding a third of the rows).
-        assert per_second(one_of_three) < per_second(alone) / 2
-        assert rows_each(one_of_three) > rows_each(alone) / 2
+def test_a_relay_without_a_broker_may_not_pace_the_table():
+    async def test(world: World) -> None:
+        await world.asleep()
+        assert world.lock.paced[-1] is True
+        world.broker.connected = False
+        world.wakeup.set("notify")
+        await trio.sleep(1)
+        assert world.lock.paced[-1] is False
+        world.broker.connected = True
+        world.wakeup.set("reconnect")
+        await world.asleep()
+        assert world.lock.paced[-1] is True
 
     run(test)
 
