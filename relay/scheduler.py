@@ -46,9 +46,9 @@ LINGER_MAX = 0.01
 
 
 # Of the relays sharing a table, the one holding its pace lock (relay/listener.py)
-# claims as a relay alone would; the others stand by, claiming only this often. Each
-# relay claiming on its own pace, or all of them on every notification, cost two to
-# three times one relay's CPU for the same rows (docs/performance.md). A standby's
+# claims as a relay alone would; the others stand by, claiming only this often: each
+# relay claiming on its own pace, or all of them on every notification, cost several
+# times one relay's CPU for the same rows (docs/performance.md). A standby's
 # claims take what the pacing relay leaves: the rows beyond what it can take alone,
 # and all of them while it is gone, until another relay takes its pace lock (within
 # the listener's PACE_RETRY).
@@ -67,7 +67,7 @@ def linger_for(claimed: int) -> float:
 # notification queue's lock: the lock goes, producers stop notifying, and the
 # scheduler claims at the linger pace until the rate falls below RATE_SLOW. Decided
 # by the rate, not by one batch's size, so that the way the relay runs at a given
-# load does not depend on its history (docs/performance.md, *Two ways of running*);
+# load does not depend on its history (docs/performance.md, *Two ways of running*).
 RATE_FAST = 600.0
 RATE_SLOW = 400.0
 # Rows claimed a second are averaged over about this long.
