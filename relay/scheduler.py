@@ -46,13 +46,22 @@ LINGER_MAX = 0.01
 
 
 # Of the relays sharing a table, the one holding its pace lock (relay/listener.py)
-# claims as a relay alone would; the others stand by, claiming only this often: each
-# relay claiming on its own pace, or all of them on every notification, cost several
-# times one relay's CPU for the same rows (docs/performance.md). A standby's
+# claims as a relay alone would; the others stand by, claiming only now and then:
+# each relay claiming on its own pace, or all of them on every notification, cost
+# several times one relay's CPU for the same rows (docs/performance.md). A standby's
 # claims take what the pacing relay leaves: the rows beyond what it can take alone,
 # and all of them while it is gone, until another relay takes its pace lock (within
-# the listener's PACE_RETRY).
+# the listener's PACE_RETRY). While the rows a standby finds are young, the pacing
+# relay keeps up, and the standby claims every STANDBY_PAUSE_IDLE; once it finds a
+# row that has waited longer than half that, every STANDBY_PAUSE.
 STANDBY_PAUSE = 0.05
+STANDBY_PAUSE_IDLE = 0.2
+
+
+def standby_pause(longest_wait: float) -> float:
+    """How long a relay standing by waits before it claims again, after a drain whose
+    rows had waited at most ``longest_wait`` seconds since their transaction began."""
+    return STANDBY_PAUSE if longest_wait > STANDBY_PAUSE_IDLE / 2 else STANDBY_PAUSE_IDLE
 
 
 def linger_for(claimed: int) -> float:
@@ -245,6 +254,8 @@ class Scheduler:
         # The grant of the sleep lock kept while rows come slowly (see RATE_FAST).
         self._kept: int | None = None
         self._rate = ClaimRate()
+        # Of the rows the last drain claimed, how long the oldest had waited.
+        self._longest_wait = 0.0
         self._streamless = StreamlessSubjects(metrics.subjects_without_stream.set)
 
     async def run(self, stopping: trio.Event) -> None:
@@ -256,6 +267,7 @@ class Scheduler:
         before the lock is found now, anything after it notifies."""
         busy_streak = 0
         while not stopping.is_set():
+            self._longest_wait = 0.0
             claimed = await self.drain(stopping)
             if not self._lock_kept():
                 self._awake()  # if the drain ran no batch
@@ -312,14 +324,14 @@ class Scheduler:
         """Wait without the sleep lock, so that producers do not notify this relay:
         while there is no broker to publish to, until the reconnect (or the poll)
         wakes it; while another relay sharing the table paces it, as a relay alone
-        would, for STANDBY_PAUSE, deaf to notifications, to claim the rows that relay
-        leaves (more than it can take, or all of them while it is gone and before
-        this one takes over its pace lock)."""
+        would, for a standby's pause, deaf to notifications, to claim the rows that
+        relay leaves (more than it can take, or all of them while it is gone and
+        before this one takes over its pace lock)."""
         self._let_lock_go()
         if not self._broker.connected:
             self._count(await self._wakeup.wait())
             return
-        with trio.move_on_after(STANDBY_PAUSE):
+        with trio.move_on_after(standby_pause(self._longest_wait)):
             await stopping.wait()
         self._wakeup.take()
         self.heartbeat = trio.current_time()
@@ -475,6 +487,9 @@ class Scheduler:
             self._awake()
         if self._rate.observe(trio.current_time(), len(outcome.rows)):
             self._let_lock_go()
+        if outcome.rows:
+            oldest = min(row.created_at for row in outcome.rows)
+            self._longest_wait = max(self._longest_wait, time.time() - oldest)
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()
         self._metrics.claims_bounded.set(0 if outcome.from_first_entry else 1)

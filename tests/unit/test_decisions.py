@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import uuid
 
@@ -30,9 +31,12 @@ from relay.scheduler import (
     LINGER_MAX,
     RATE_FAST,
     RATE_SLOW,
+    STANDBY_PAUSE,
+    STANDBY_PAUSE_IDLE,
     ClaimRate,
     linger_for,
     sleep_retry_pause,
+    standby_pause,
 )
 from relay.streams import short_duplicate_windows
 
@@ -408,6 +412,16 @@ def test_the_claim_rate_is_fast_above_the_fast_rate_and_until_below_the_slow_one
     # Batches count by their rows, and a pause with none counts as time gone by.
     assert rate.observe(now + 0.001, 500)
     assert not rate.observe(now + 5, 0)
+
+
+def test_a_relay_standing_by_claims_often_only_while_rows_wait_for_it():
+    # The relay that paces keeps up: what a standby finds is young, and it claims
+    # seldom; a row that has waited half a long pause makes it claim often.
+    assert standby_pause(0.010) == STANDBY_PAUSE_IDLE
+    assert standby_pause(-1.0) == STANDBY_PAUSE_IDLE  # a clock ahead of the server's
+    assert standby_pause(STANDBY_PAUSE_IDLE / 2 + 0.001) == STANDBY_PAUSE
+    assert standby_pause(math.inf) == STANDBY_PAUSE  # created_at -infinity
+    assert STANDBY_PAUSE < STANDBY_PAUSE_IDLE
 
 
 def test_a_claim_that_finds_nothing_while_rows_come_fast_waits_about_two_rows_worth():

@@ -5,6 +5,7 @@ broker link, and trio's virtual clock."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from itertools import pairwise
@@ -29,6 +30,7 @@ from relay.scheduler import (
     RATE_SLOW,
     SLEEP_RETRY_MAX,
     STANDBY_PAUSE,
+    STANDBY_PAUSE_IDLE,
     Scheduler,
     sleep_retry_pause,
 )
@@ -48,6 +50,7 @@ class Table:
         self.most_in_flight = 0
         self.failures: list[Exception] = []  # raised by the next batches, in turn
         self.broker_down = False  # every message sent times out
+        self.young = False  # rows' created_at now (real time), not long ago
         self.events: list[str] = []
 
     async def run_batch(self) -> BatchOutcome:
@@ -61,8 +64,11 @@ class Table:
             taken = min(BATCH_SIZE, self.pending)
             self.claims.append((trio.current_time(), taken))
             await trio.sleep(BATCH_TIME)
+            created_at = time.time() if self.young else 0.0
             rows = [
-                OutboxRow(str(uuid.uuid4()), "a.b", "s", f"subject-{i}", "t", "{}", 0.0, i, 0)
+                OutboxRow(
+                    str(uuid.uuid4()), "a.b", "s", f"subject-{i}", "t", "{}", created_at, i, 0
+                )
                 for i in range(taken)
             ]
             if self.broker_down and rows:
@@ -281,30 +287,40 @@ def test_rows_flowing_between_the_two_rates_keep_the_way_the_relay_runs():
     run(test)
 
 
-def test_a_relay_standing_by_claims_every_standby_pause_deaf_to_notifications():
+def test_a_relay_standing_by_claims_now_and_then_deaf_to_notifications():
+    async def claims_standing_by(world: World, young: bool) -> list[tuple[float, int]]:
+        """A second of claims standing by, rows committed and notifying all along."""
+        world.table.young = young
+        started = len(world.table.claims)
+        pause = STANDBY_PAUSE_IDLE if young else STANDBY_PAUSE
+        with trio.move_on_after(1.0):
+            while True:  # fewer rows a claim than a batch holds
+                await trio.sleep(pause / 5)
+                world.table.pending += 1
+                world.wakeup.set("notify")
+        return world.table.claims[started + 1 :]
+
+    def gaps(claims: list[tuple[float, int]]) -> list[float]:
+        return [b[0] - a[0] for a, b in pairwise(claims)]
+
     async def test(world: World) -> None:
         await world.asleep()
         world.lock.stands_by = True  # another relay took the pace lock
         world.table.pending = 1
         world.wakeup.set("notify")
-        # Woken once more, it lets the sleep lock go and stands by: a claim every
-        # STANDBY_PAUSE, whatever notifications come, and never the sleep lock.
-        started = len(world.table.claims)
         asked = len(world.lock.asked)
-        with trio.move_on_after(1.0):
-            while True:  # fewer rows a claim than a batch holds
-                await trio.sleep(STANDBY_PAUSE / 5)
-                world.table.pending += 1
-                world.wakeup.set("notify")
-        claims = world.table.claims[started:]
+        # Rows that had waited long (the relay that paces is gone, or behind): a claim
+        # every STANDBY_PAUSE, whatever notifications come, and never the sleep lock.
+        behind = await claims_standing_by(world, young=False)
         assert not world.lock.held
         assert len(world.lock.asked) == asked
-        gaps = [b[0] - a[0] for a, b in pairwise(claims[1:])]
-        assert gaps, claims
-        assert min(gaps) >= STANDBY_PAUSE
-        assert max(gaps) <= STANDBY_PAUSE + 2 * BATCH_TIME + 1e-9
-        # It takes what it finds: with rows left, they are drained.
-        assert all(rows for _, rows in claims[1:])
+        assert min(gaps(behind)) >= STANDBY_PAUSE
+        assert max(gaps(behind)) <= STANDBY_PAUSE + 2 * BATCH_TIME + 1e-9
+        assert all(rows for _, rows in behind)  # it takes what it finds
+        # Young rows (the relay that paces keeps up): every STANDBY_PAUSE_IDLE.
+        keeping_up = await claims_standing_by(world, young=True)
+        assert min(gaps(keeping_up[1:])) >= STANDBY_PAUSE_IDLE
+        assert max(gaps(keeping_up)) <= STANDBY_PAUSE_IDLE + 2 * BATCH_TIME + 1e-9
 
     run(test)
 
@@ -315,7 +331,7 @@ def test_a_relay_that_takes_the_pace_lock_runs_as_a_relay_alone():
         await trio.sleep(1.0)
         assert world.metric("outbox_relay_sleeps_total") == 0
         claims = len(world.table.claims)
-        assert claims >= 1.0 / (STANDBY_PAUSE + BATCH_TIME) - 1
+        assert claims >= 1.0 / (STANDBY_PAUSE_IDLE + BATCH_TIME) - 1
         world.lock.stands_by = False  # the relay that paced has gone
         await world.asleep()
         # Asleep under the sleep lock, woken by notifications again.
