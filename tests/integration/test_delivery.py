@@ -163,9 +163,9 @@ def test_one_of_two_relays_paces_the_table_and_the_other_takes_over_when_it_goes
     db_url, stream, start_relay
 ):
     """Of the relays sharing a table, the one holding its pace lock claims as a relay
-    alone would, and alone listens; the other stands by, claiming every
-    STANDBY_PAUSE. When the pacing relay stops, its lock goes with its session, and
-    the other takes it."""
+    alone would, and alone listens; the other stands by, claiming now and then.
+    When the pacing relay stops, its lock goes with its session, and the other
+    takes it."""
     first = start_relay()
     wait_until(lambda: first.metric("outbox_relay_pacing") == 1, message="the first paces")
     second = start_relay()
@@ -173,6 +173,8 @@ def test_one_of_two_relays_paces_the_table_and_the_other_takes_over_when_it_goes
         lambda: second.metric("outbox_relay_listen_connected") == 1, message="the second listens"
     )
     assert second.metric("outbox_relay_pacing") == 0
+    # Asleep under the sleep lock (a standby never sleeps so): rows from here notify.
+    wait_until(lambda: first.metric("outbox_relay_sleeps_total") >= 1, message="asleep")
     events = [Event(stream.subject("paced"), f"entity-{i}") for i in range(20)]
     for event in events:  # light load: one row a transaction, each notifying
         database.insert(db_url, [event])
@@ -181,6 +183,7 @@ def test_one_of_two_relays_paces_the_table_and_the_other_takes_over_when_it_goes
     assert second.metric("outbox_relay_wakeups_total", reason="notify") == 0  # not listening
     first.stop()
     wait_until(lambda: second.metric("outbox_relay_pacing") == 1, message="the second paces")
+    wait_until(lambda: second.metric("outbox_relay_sleeps_total") >= 1, message="it sleeps")
     more = [Event(stream.subject("paced"), f"entity-{i}") for i in range(20, 40)]
     for event in more:
         database.insert(db_url, [event])
