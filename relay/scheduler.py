@@ -254,7 +254,7 @@ class Scheduler:
         # The grant of the sleep lock kept while rows come slowly (see RATE_FAST).
         self._kept: int | None = None
         self._rate = ClaimRate()
-        # Of the rows the last drain claimed, how long the oldest had waited.
+        # Of the rows the last drain published, how long the oldest had waited.
         self._longest_wait = 0.0
         self._streamless = StreamlessSubjects(metrics.subjects_without_stream.set)
 
@@ -487,9 +487,6 @@ class Scheduler:
             self._awake()
         if self._rate.observe(trio.current_time(), len(outcome.rows)):
             self._let_lock_go()
-        if outcome.rows:
-            oldest = min(row.created_at for row in outcome.rows)
-            self._longest_wait = max(self._longest_wait, time.time() - oldest)
         if outcome.from_first_entry:
             self._metrics.claims_from_first_entry.inc()
         self._metrics.claims_bounded.set(0 if outcome.from_first_entry else 1)
@@ -521,6 +518,7 @@ class Scheduler:
         published: Counter[str] = Counter()
         without_stream: set[str] = set()
         latencies: list[float] = []
+        longest_wait = self._longest_wait
         duplicates = 0
         for row_id, result in results.items():
             row = by_id[row_id]
@@ -528,6 +526,7 @@ class Scheduler:
                 published[row.event_type] += 1
                 duplicates += result.duplicate
                 latency = now - row.created_at
+                longest_wait = max(longest_wait, latency)
                 if latency < math.inf:  # a created_at of -infinity has no latency
                     latencies.append(max(latency, 0.0))
                 continue
@@ -560,6 +559,7 @@ class Scheduler:
                 extra={"event_types": event_types[:10]},
             )
         self._metrics.publish_latency.observe_many(latencies)
+        self._longest_wait = longest_wait
         for event_type, count in published.items():
             self._metrics.published.labels(event_type=self._metrics.event_type(event_type)).inc(
                 count

@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from relay.config import Config
 from relay.database import connection_string, install, uninstall
 from relay.sqlfiles import Names
+from relay_tools import exposition
 from relay_tools.localservers import throwaway_nats, throwaway_postgres
 
 INSERT = (
@@ -375,12 +376,7 @@ class RelayProcess:
         by ``metrics_port``), 0 if it has none."""
         port = self._env["OUTBOX_RELAY_METRICS_PORT"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
-            text = answer.read().decode()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith((f"{name} ", f"{name}{{"))
-        )
+            return exposition.total(exposition.samples(answer.read().decode()), name)
 
     def cpu_seconds(self) -> float:
         """CPU time the process has used so far, user and system (/proc/PID/stat)."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relay_tools import exposition
 from tests.support.servers import free_port
 
 
@@ -99,12 +100,7 @@ class RelayProcess:
         """Samples of /metrics as {'name{labels}': value}."""
         status, text = self.get("/metrics")
         assert status == 200, text
-        samples: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                samples[key] = float(value)
-        return samples
+        return exposition.samples(text)
 
     def metric(self, name: str, **labels: str) -> float:
         key = name
