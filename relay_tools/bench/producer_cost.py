@@ -13,20 +13,27 @@ in a schema of its own, built by `outbox-relay install` and then stripped:
 - installed before: as the install before this change left it (a sequence without
   CACHE, a wake-up trigger without WHEN, whose function ran for every insert);
 - partitioned: the installed table made by `install --partitions 1d` (range
-  partitions of a day on created_at, the key (id, created_at)).
+  partitions of a day on created_at, the key (id, created_at));
+- with ``--cdc``, contract with a CDC slot: the contract's table alone on a second
+  throwaway Postgres with `wal_level = logical`, published, and a logical slot read
+  as Debezium and Sequin read theirs (the pgoutput plugin, by `pg_recvlogical`, on
+  the same machine as the server, as a walsender is).
 
 Prints each arrangement's commits/s (median, and each repetition) and its ratio to
 the contract's table.
 
-    python -m relay_tools.bench.producer_cost --repetitions 5
+    python -m relay_tools.bench.producer_cost --repetitions 5 [--cdc]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
+import subprocess
 import time
+from collections.abc import Iterator
 
 import psycopg
 from psycopg import sql
@@ -36,6 +43,7 @@ from relay.database import first_partitions
 from relay.sqlfiles import Names, install_script, partition_statement
 from relay_tools.bench.harness import bench_target
 from relay_tools.bench.measure import pgbench_commits
+from relay_tools.localservers import postgres_binary, throwaway_postgres
 
 SECONDS = 8.0
 CONTRACT = """
@@ -75,6 +83,10 @@ ARRANGEMENTS: dict[str, tuple[str, ...] | None] = {
 }
 # Arrangements whose table `install --partitions` makes, with their period.
 PARTITIONED = {"partitioned": 86400.0}
+# The contract's table on a server that feeds a CDC reader (measured with --cdc).
+CDC = "contract, CDC slot"
+CDC_SETTINGS = ("wal_level = logical", "max_wal_senders = 4", "max_replication_slots = 4")
+CDC_NAME = "producer_cost_cdc"  # its publication's and its slot's
 EVENT_TYPE = "bench.created"
 
 
@@ -109,19 +121,56 @@ async def build(url: str) -> None:
                 await conn.execute(change.format(table=table, schema=schema).encode())
 
 
-async def measure(url: str, repetitions: int, seconds: float = SECONDS) -> dict[str, list[float]]:
-    """Commits/s of each arrangement, in turns, each table emptied after its turn."""
+async def build_cdc(url: str) -> str:
+    """The contract's table, published, and a logical slot for it; the table's name."""
+    table = "public.outbox_events"
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(CONTRACT.format(table=table).encode())
+        await conn.execute(f"create publication {CDC_NAME} for table {table}".encode())
+        await conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", (CDC_NAME,))
+    return table
+
+
+@contextlib.contextmanager
+def cdc_reader(url: str) -> Iterator[None]:
+    """The slot read for as long as the block runs, its changes thrown away (-F 0:
+    no fsync of the output, which is /dev/null; progress is still reported)."""
+    reader = subprocess.Popen(
+        [postgres_binary("pg_recvlogical"), "-d", url, "--slot", CDC_NAME, "--start",
+         "-o", "proto_version=1", "-o", f"publication_names={CDC_NAME}",
+         "-F", "0", "-s", "1", "-f", "-"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        exited = reader.poll()
+        reader.terminate()
+        _, errors = reader.communicate(timeout=10)
+    if exited is not None:  # the figures were taken without a reader
+        raise RuntimeError(f"pg_recvlogical exited while it was to read: {errors.decode()}")
+
+
+async def measure(
+    url: str, repetitions: int, seconds: float = SECONDS, cdc_url: str | None = None
+) -> dict[str, list[float]]:
+    """Commits/s of each arrangement, in turns, each table emptied after its turn;
+    with ``cdc_url`` (a server with CDC_SETTINGS), the CDC arrangement there too."""
     await build(url)
-    results: dict[str, list[float]] = {name: [] for name in ARRANGEMENTS}
-    for _ in range(repetitions):
-        for arrangement in ARRANGEMENTS:
-            table = f"{_schema(arrangement)}.outbox_events"
-            results[arrangement].append(
-                await asyncio.to_thread(pgbench_commits, url, EVENT_TYPE, seconds, 8, table)
-            )
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-                await conn.execute(f"truncate {table}".encode())
-                await conn.execute("checkpoint")
+    tables = {(url, f"{_schema(name)}.outbox_events"): name for name in ARRANGEMENTS}
+    with contextlib.ExitStack() as readers:
+        if cdc_url is not None:
+            tables[(cdc_url, await build_cdc(cdc_url))] = CDC
+            readers.enter_context(cdc_reader(cdc_url))
+        results: dict[str, list[float]] = {name: [] for name in tables.values()}
+        for _ in range(repetitions):
+            for (server, table), arrangement in tables.items():
+                results[arrangement].append(
+                    await asyncio.to_thread(pgbench_commits, server, EVENT_TYPE, seconds, 8, table)
+                )
+                async with await psycopg.AsyncConnection.connect(server, autocommit=True) as conn:
+                    await conn.execute(f"truncate {table}".encode())
+                    await conn.execute("checkpoint")
     return results
 
 
@@ -138,16 +187,24 @@ def render(results: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
-async def _main(repetitions: int) -> dict[str, list[float]]:
-    async with bench_target(None, None) as target:
-        return await measure(target.url, repetitions)
+async def _main(repetitions: int, cdc: bool) -> dict[str, list[float]]:
+    with contextlib.ExitStack() as servers:
+        cdc_url = None
+        if cdc:
+            cdc_server = throwaway_postgres(durable=True, settings=CDC_SETTINGS)
+            cdc_url = servers.enter_context(cdc_server).url
+        async with bench_target(None, None) as target:
+            return await measure(target.url, repetitions, cdc_url=cdc_url)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repetitions", type=int, default=5)
+    parser.add_argument(
+        "--cdc", action="store_true", help="also the contract's table feeding a CDC slot"
+    )
     args = parser.parse_args()
-    print(render(asyncio.run(_main(args.repetitions))))
+    print(render(asyncio.run(_main(args.repetitions, args.cdc))))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,12 @@ import psycopg
 import pytest
 
 from relay_tools import demo
+from relay_tools.bench import producer_cost
+from relay_tools.bench.measure import pgbench_commits
+from relay_tools.localservers import throwaway_postgres
 from tests.support import database
 from tests.support.database import Event
+from tests.support.relayproc import wait_until
 from tests.support.servers import SHARED_NATS_URL, SHARED_PG_URL
 from tests.support.stream import run_js
 
@@ -375,3 +379,27 @@ def assert_charts(directory: Path, *names: str) -> None:
         data = (directory / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
         assert len(data) > 10_000, name  # axes, bars and labels, not an empty canvas
+
+
+def test_the_producer_cost_cdc_arrangement_feeds_a_slot_that_is_read():
+    """The CDC arrangement measures producers whose server decodes their WAL for a
+    reader: the slot's reader must really read (its confirmed position moves past
+    where the producers began), or the figure would be a server merely at
+    wal_level = logical."""
+    with throwaway_postgres(durable=True, settings=producer_cost.CDC_SETTINGS) as server:
+        table = asyncio.run(producer_cost.build_cdc(server.url))
+        with producer_cost.cdc_reader(server.url), psycopg.connect(server.url) as conn:
+            conn.autocommit = True
+            (before,) = conn.execute("select pg_current_wal_lsn()").fetchone()
+            commits = pgbench_commits(server.url, producer_cost.EVENT_TYPE, 1.0, 2, table)
+
+            def confirmed() -> bool:
+                (moved,) = conn.execute(
+                    "select confirmed_flush_lsn > %s::pg_lsn from pg_replication_slots"
+                    " where slot_name = %s",
+                    (str(before), producer_cost.CDC_NAME),
+                ).fetchone()
+                return bool(moved)
+
+            wait_until(confirmed, 30, message="the CDC reader confirming the inserts")
+    assert commits > 0
