@@ -139,7 +139,7 @@ class SoakPlan:
 
     @classmethod
     def quick(cls) -> SoakPlan:
-        return cls(rate=300.0, subjects=50, before=10.0, hold=20.0, after=10.0, window=5.0)
+        return cls(rate=300.0, subjects=50, before=4.0, hold=8.0, after=4.0, window=2.0)
 
     @property
     def seconds(self) -> float:

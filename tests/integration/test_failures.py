@@ -158,7 +158,7 @@ def test_failing_row_backs_off_exponentially_and_stops_at_the_cap(db_url, refusi
 def test_unpublishable_row_goes_dead_at_once_and_holds_its_subject(
     db_url, stream, start_relay, event_type, reason
 ):
-    relay = start_relay(max_attempts=20)
+    relay = start_relay(max_attempts=20, poll_interval="50ms", gauge_interval="200ms")
     bad = Event(event_type, "account-1")
     behind = [Event(stream.subject("ok"), "account-1", {"n": i}) for i in range(3)]
     other = Event(stream.subject("ok"), "account-2")
@@ -343,7 +343,7 @@ def test_a_dead_row_holds_its_subject_until_requeued_then_goes_first(
 
 
 def test_skip_keeps_a_dead_row_and_releases_its_subject(db_url, stream, start_relay):
-    relay = start_relay(max_attempts=20, poll_interval="50ms")
+    relay = start_relay(max_attempts=20, poll_interval="50ms", gauge_interval="200ms")
     bad = Event("orders.*", "account-1")  # never publishable
     behind = [Event(stream.subject("ok"), "account-1", {"n": n}) for n in range(3)]
     database.insert_in_order(db_url, [bad, *behind], commit_each=True)
