@@ -19,8 +19,9 @@ in a schema of its own, built by `outbox-relay install` and then stripped:
   as Debezium and Sequin read theirs (the pgoutput plugin, by `pg_recvlogical`, on
   the same machine as the server, as a walsender is).
 
-Prints each arrangement's commits/s (median, and each repetition) and its ratio to
-the contract's table.
+Prints each arrangement's ratio to the contract's table (the median of each
+repetition's, each arrangement against the contract's turn of the same repetition),
+and its commits/s (median, and each repetition).
 
     python -m relay_tools.bench.producer_cost --repetitions 5 [--cdc]
 """
@@ -154,8 +155,9 @@ def cdc_reader(url: str) -> Iterator[None]:
 async def measure(
     url: str, repetitions: int, seconds: float = SECONDS, cdc_url: str | None = None
 ) -> dict[str, list[float]]:
-    """Commits/s of each arrangement, in turns, each table emptied after its turn;
-    with ``cdc_url`` (a server with CDC_SETTINGS), the CDC arrangement there too."""
+    """Commits/s of each arrangement, in turns (the order reversed each repetition),
+    each table emptied after its turn; with ``cdc_url`` (a server with CDC_SETTINGS),
+    the CDC arrangement there too."""
     await build(url)
     tables = {(url, f"{_schema(name)}.outbox_events"): name for name in ARRANGEMENTS}
     with contextlib.ExitStack() as readers:
@@ -163,26 +165,35 @@ async def measure(
             tables[(cdc_url, await build_cdc(cdc_url))] = CDC
             readers.enter_context(cdc_reader(cdc_url))
         results: dict[str, list[float]] = {name: [] for name in tables.values()}
+        turns = list(tables.items())
         for _ in range(repetitions):
-            for (server, table), arrangement in tables.items():
+            for (server, table), arrangement in turns:
                 results[arrangement].append(
                     await asyncio.to_thread(pgbench_commits, server, EVENT_TYPE, seconds, 8, table)
                 )
                 async with await psycopg.AsyncConnection.connect(server, autocommit=True) as conn:
                     await conn.execute(f"truncate {table}".encode())
                     await conn.execute("checkpoint")
+            turns.reverse()  # so that a drift of the machine's rate favours no turn
     return results
 
 
+def paired_ratios(results: dict[str, list[float]], arrangement: str) -> list[float]:
+    """An arrangement's commits/s over the contract table's in the same repetition:
+    the machine's rate drifts over a run (by a third here, a disk shared with other
+    machines), and a turn is best compared with the turns beside it."""
+    return [run / base for run, base in zip(results[arrangement], results["contract"], strict=True)]
+
+
 def render(results: dict[str, list[float]]) -> str:
-    base = statistics.median(results["contract"])
     lines = []
     for arrangement, runs in results.items():
-        median = statistics.median(runs)
-        each = ", ".join(f"{r:,.0f}" for r in runs)
+        ratios = paired_ratios(results, arrangement)
         lines.append(
-            f"{arrangement:>16}: {median:>8,.0f} commits/s median ({each}); "
-            f"{median / base:.3f} of the contract's table"
+            f"{arrangement:>18}: {statistics.median(ratios):.3f} of the contract's table, "
+            f"median of each repetition's ({', '.join(f'{r:.3f}' for r in ratios)}); "
+            f"{statistics.median(runs):,.0f} commits/s median "
+            f"({', '.join(f'{r:,.0f}' for r in runs)})"
         )
     return "\n".join(lines)
 
