@@ -385,8 +385,11 @@ def test_the_claim_opens_no_partition_past_its_reach(partitioned_url):
     [(now, start_at)] = database.fetch(
         partitioned_url, "select extract(epoch from now())::float8, now()::text"
     )
-    reach = now + LATE_INSERT_SECONDS + CLAIM_REACH_MARGIN_SECONDS
     plan = partitioned_claim_plan(partitioned_url, start_at)
+    # The claim's reach runs from its own statement's time, read after it ran: a
+    # partition that begins between the two times may open.
+    [(ran_by,)] = database.fetch(partitioned_url, "select extract(epoch from now())::float8")
+    reach = ran_by + LATE_INSERT_SECONDS + CLAIM_REACH_MARGIN_SECONDS
     opened = partitions_in_plan(partitioned_url, plan)
     assert opened, plan
     assert max(opened.values()) <= reach, f"a partition past the reach opened:\n{plan}"
