@@ -135,7 +135,7 @@ async def build_cdc(url: str) -> str:
 @contextlib.contextmanager
 def cdc_reader(url: str) -> Iterator[None]:
     """The slot read for as long as the block runs, its changes thrown away (-F 0:
-    no fsync of the output, which is /dev/null; progress is still reported)."""
+    no fsync of its output, which goes to /dev/null; progress is still reported)."""
     reader = subprocess.Popen(
         [postgres_binary("pg_recvlogical"), "-d", url, "--slot", CDC_NAME, "--start",
          "-o", "proto_version=1", "-o", f"publication_names={CDC_NAME}",
