@@ -1,10 +1,13 @@
 """The docs' charts (docs/img) are drawn from the figures committed beside them, by
-a run that recorded its command, machine, date and build, and drawing them again
-from those figures gives the same charts' metadata."""
+a run that recorded its command, machine, date and build (a commit of this
+checkout's history), and drawing them again from those figures gives the same
+charts' metadata."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,32 @@ def test_the_charts_are_drawn_again_from_their_figures(source, tmp_path):
     assert {path.name for path in drawn} == {c for c, s in CHARTS.items() if s == source}
     for path in drawn:
         assert digest_in(path) == plots.figures_digest(document)
+
+
+@pytest.mark.parametrize("source", sorted(set(CHARTS.values())))
+def test_each_run_measured_a_commit_this_checkout_holds(source):
+    """A chart of a scratch branch that never landed would pass for this code's."""
+    checkout = IMG.parents[1]
+    if shutil.which("git") is None or not (checkout / ".git").exists():
+        pytest.skip("not a git checkout")
+    shallow = subprocess.run(
+        ["git", "rev-parse", "--is-shallow-repository"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if shallow.stdout.strip() != "false":
+        pytest.skip("a shallow clone holds too little history to tell")
+    build = figures(source)["run"]["build"]
+    ancestor = subprocess.run(
+        ["git", "merge-base", "--is-ancestor", build, "HEAD"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ancestor.returncode == 0, (
+        f"docs/img/{source} was measured at {build}, which is not in this checkout's "
+        f"history: {ancestor.stderr.strip()}"
+    )
