@@ -42,7 +42,7 @@ from relay.marks import Marks, decide_marks
 from relay.model import Acked, Failed, OutboxRow, PublishResult, RowId
 from relay.ordering import SubjectQueues, held_behind_blockers, unsettled_subjects
 from relay.schemas import SchemaCheck
-from relay.streams import ATOMIC_BATCH_LIMIT, ATOMIC_HEADER_BYTES, MIN_BATCH_MESSAGES, PublishMode
+from relay.streams import ATOMIC_BATCH_LIMIT, ATOMIC_HEADER_BYTES, PublishMode, worth_a_batch
 from relay.tracing import NoTracing, PublishedRow, Tracing
 
 log = logging.getLogger(__name__)
@@ -93,35 +93,27 @@ def split_by_publish_mode(
     per row subject, which may span event types and so streams: a row subject with
     rows in two streams, or in a stream published per message, or in ``alone`` (a
     row of it does not fit in a batch), goes one message each, whose waves keep its
-    order across streams. Each list keeps ``rows``' order."""
+    order across streams; so do a stream's rows too few to be worth a batch. Each
+    list keeps ``rows``' order."""
     targets = set(plan.values())
     if len(targets) == 1 and not alone:  # one stream: no row subject spans two
         [(mode, _)] = targets
-        if mode is PublishMode.MESSAGE or len(rows) < MIN_BATCH_MESSAGES:
+        if not worth_a_batch(mode, len(rows)):
             return list(rows), []
         return [], [(mode, list(rows))]
     streams_of: dict[str, set[tuple[PublishMode, str]]] = {}
     for row in rows:
         streams_of.setdefault(row.subject, set()).add(plan[row.event_type])
     groups: dict[tuple[PublishMode, str], list[OutboxRow]] = {}
-    one_by_one: list[OutboxRow] = []
     for row in rows:
         target = plan[row.event_type]
-        if (
-            target[0] is PublishMode.MESSAGE
-            or len(streams_of[row.subject]) > 1
-            or row.subject in alone
-        ):
-            one_by_one.append(row)
-        else:
+        if len(streams_of[row.subject]) == 1 and row.subject not in alone:
             groups.setdefault(target, []).append(row)
-    batched: list[tuple[PublishMode, list[OutboxRow]]] = []
-    for (mode, _), group in groups.items():
-        if len(group) < MIN_BATCH_MESSAGES:
-            one_by_one += group  # a row subject lives in one group: order holds
-        else:
-            batched.append((mode, group))
-    return one_by_one, batched
+    batched = [
+        (mode, group) for (mode, _), group in groups.items() if worth_a_batch(mode, len(group))
+    ]
+    in_batches = {row.id for _, group in batched for row in group}
+    return [row for row in rows if row.id not in in_batches], batched
 
 
 class BatchTransaction(Protocol):
@@ -448,7 +440,7 @@ class Batch:
         results: dict[RowId, PublishResult] = {}
         pending = rows
         while pending and (remaining := deadline - trio.current_time()) > 0:
-            if len(pending) < MIN_BATCH_MESSAGES:
+            if not worth_a_batch(mode, len(pending)):
                 results.update(await self._publish_waves(pending, messages, deadline))
                 break
             chunk = pending[:ATOMIC_BATCH_LIMIT] if mode is PublishMode.ATOMIC else pending

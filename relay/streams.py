@@ -41,9 +41,19 @@ PUBLISH_MODE_CHOICES = (AUTO, *(mode.value for mode in PublishMode))
 # only from 2.12.1.
 _SINCE = {PublishMode.BATCH: (2, 14, 0), PublishMode.ATOMIC: (2, 12, 1)}
 
-# A batch of fewer messages goes per message: a fast batch waits for the server's
-# first reply before sending the rest, and a lone message gains nothing from a batch.
-MIN_BATCH_MESSAGES = 2
+# A stream's rows in a claimed batch go per message when fewer than this. A fast
+# batch sends its first message alone and waits for the server's reply before the
+# rest: two broker round trips where a wave of single publishes takes one, which
+# fewer acks repay only in a large batch (docs/publish-modes.md). A lone message
+# gains nothing from a batch of either kind.
+MIN_BATCH_MESSAGES = {PublishMode.BATCH: 32, PublishMode.ATOMIC: 2}
+
+
+def worth_a_batch(mode: PublishMode, messages: int) -> bool:
+    """Whether ``messages`` rows of one stream go as one batch in ``mode``."""
+    return mode is not PublishMode.MESSAGE and messages >= MIN_BATCH_MESSAGES[mode]
+
+
 # Atomic batches: the server's default limit of messages per batch.
 ATOMIC_BATCH_LIMIT = 1000
 

@@ -29,7 +29,14 @@ from relay.headers import trace_context
 from relay.inboxes import atomic_batch_headers, batch_outcome, fast_batch_reply, hpub_frame
 from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
 from relay.replies import api_error
-from relay.streams import PublishMode, StreamModes, choose_mode, stream_for, subject_matches
+from relay.streams import (
+    MIN_BATCH_MESSAGES,
+    PublishMode,
+    StreamModes,
+    choose_mode,
+    stream_for,
+    subject_matches,
+)
 from relay.tracing import PublishedRow
 
 TIMEOUT = Failed(FailureReason.TIMEOUT, "no ack before the publish timeout")
@@ -136,6 +143,9 @@ def row(subject: str, event_type: str, n: int) -> OutboxRow:
     return OutboxRow(str(uuid.uuid4()), event_type, "t", subject, "2026", "{}", float(n), n, 0)
 
 
+FAST_BATCH = MIN_BATCH_MESSAGES[PublishMode.BATCH]  # the fewest rows a fast batch takes
+
+
 def test_a_row_subject_in_two_streams_goes_one_by_one_and_keeps_its_order():
     plan = {
         "a.x": (PublishMode.BATCH, "A"),
@@ -150,12 +160,12 @@ def test_a_row_subject_in_two_streams_goes_one_by_one_and_keeps_its_order():
         row("e4", "b.x", 5),
         row("e5", "b.x", 6),
         row("e6", "m.x", 7),
-        row("e7", "a.x", 8),
+        *(row(f"f{n}", "a.x", n) for n in range(8, 8 + FAST_BATCH - 2)),
     ]
     one_by_one, batched = split_by_publish_mode(rows, plan)
     assert [r.seq for r in one_by_one] == [1, 3, 7]
     assert [(mode, [r.seq for r in group]) for mode, group in batched] == [
-        (PublishMode.BATCH, [2, 4, 8]),
+        (PublishMode.BATCH, [2, 4, *range(8, 8 + FAST_BATCH - 2)]),
         (PublishMode.ATOMIC, [5, 6]),
     ]
 
@@ -165,6 +175,23 @@ def test_a_group_of_one_row_goes_per_message():
     one_by_one, batched = split_by_publish_mode([row("e1", "a.x", 1)], plan)
     assert len(one_by_one) == 1
     assert batched == []
+
+
+@pytest.mark.parametrize(
+    ("mode", "fewest"), [(PublishMode.BATCH, FAST_BATCH), (PublishMode.ATOMIC, 2)]
+)
+def test_a_stream_s_rows_go_as_a_batch_from_its_mode_s_fewest(mode, fewest):
+    """A fast batch makes two broker round trips (its first message goes alone), so a
+    few rows go per message, in a wave; an atomic batch takes two or more."""
+    plan = {"a.x": (mode, "A"), "m.x": (PublishMode.MESSAGE, "M")}
+    too_few = [row(f"e{n}", "a.x", n) for n in range(fewest - 1)]
+    enough = [row(f"e{n}", "a.x", n) for n in range(fewest)]
+    assert split_by_publish_mode(too_few, plan) == (too_few, [])
+    assert split_by_publish_mode(enough, plan) == ([], [(mode, enough)])
+    other = row("o", "m.x", 99)
+    mixed = [*too_few[: len(too_few) // 2], other, *too_few[len(too_few) // 2 :]]
+    assert split_by_publish_mode(mixed, plan) == (mixed, [])  # in the claim's order
+    assert split_by_publish_mode([other, *enough], plan) == ([other], [(mode, enough)])
 
 
 # -- wire formats ---------------------------------------------------------------------
@@ -391,40 +418,58 @@ def publish(broker: ScriptedBroker, rows: list[OutboxRow]) -> dict:
 
 
 def test_after_a_refused_message_the_other_subjects_go_in_the_next_batch():
-    rows = [row(f"e{n % 3}", "s.x", n) for n in range(9)]  # e0, e1, e2, e0, ...
+    count = 5 + 3 * FAST_BATCH  # enough rows after the refused one for another batch
+    rows = [row(f"e{n % 3}", "s.x", n) for n in range(count)]  # e0, e1, e2, e0, ...
     refused = Failed(FailureReason.REFUSED, "too big")
     broker = ScriptedBroker([
-        lambda ms: [ACKED, ACKED, ACKED, ACKED, refused] + [None] * 4,  # row 4 (e1) refused
+        lambda ms: [ACKED, ACKED, ACKED, ACKED, refused] + [None] * (count - 5),  # row 4 (e1)
         lambda ms: [ACKED] * len(ms),
     ])  # fmt: skip
     results = publish(broker, rows)
-    # The second batch holds rows 5..8 but not those of e1 (row 7), behind row 4.
-    assert broker.batches[1] == [rows[n].id for n in (5, 6, 8)]
+    # The second batch holds the rows after row 4 but not those of e1, behind it.
+    after = [n for n in range(5, count) if n % 3 != 1]
+    assert broker.batches[1] == [rows[n].id for n in after]
     assert results[rows[4].id] is refused
-    assert rows[7].id not in results  # unsent, left as it was
-    assert all(isinstance(results[rows[n].id], Acked) for n in (0, 1, 2, 3, 5, 6, 8))
+    assert not any(rows[n].id in results for n in range(7, count, 3))  # unsent, left as was
+    assert all(isinstance(results[rows[n].id], Acked) for n in (0, 1, 2, 3, *after))
+
+
+def test_rows_left_too_few_for_a_batch_go_in_a_wave():
+    rows = [row(f"e{n % 3}", "s.x", n) for n in range(FAST_BATCH)]
+    refused = Failed(FailureReason.REFUSED, "too big")
+    broker = ScriptedBroker([lambda ms: [ACKED, refused] + [None] * (FAST_BATCH - 2)])
+    results = publish(broker, rows)
+    assert len(broker.batches) == 1
+    left = [rows[n].id for n in range(2, FAST_BATCH) if n % 3 != 1]
+    assert [id_ for wave in broker.waves for id_ in wave] == left
+    assert all(isinstance(results[id_], Acked) for id_ in left)
 
 
 def test_a_batch_turned_down_goes_one_message_at_a_time_in_waves():
-    rows = [row(f"e{n % 2}", "s.x", n) for n in range(4)]
+    rows = [row(f"e{n % 2}", "s.x", n) for n in range(FAST_BATCH)]
     broker = ScriptedBroker([lambda ms: None])
     results = publish(broker, rows)
-    assert broker.waves == [[rows[0].id, rows[1].id], [rows[2].id, rows[3].id]]
+    assert broker.waves == [
+        [rows[n].id, rows[n + 1].id] for n in range(0, FAST_BATCH, 2)
+    ]  # fmt: skip
     assert all(isinstance(r, Acked) for r in results.values())
-    assert len(results) == 4
+    assert len(results) == FAST_BATCH
 
 
 def test_the_broker_s_failure_ends_the_pass_without_another_batch():
     # The broker failed the second message; the third and fourth (other subjects)
     # were not stored and nothing was said of them. They wait for the next pass:
     # another batch now would go to a broker in trouble.
-    rows = [row(f"e{n}", "s.x", n) for n in range(4)]
-    broker = ScriptedBroker([lambda ms: [ACKED, TIMEOUT, None, None], lambda ms: [ACKED] * 2])
+    rows = [row(f"e{n}", "s.x", n) for n in range(2 * FAST_BATCH)]
+    broker = ScriptedBroker([
+        lambda ms: [ACKED, TIMEOUT] + [None] * (len(ms) - 2),
+        lambda ms: [ACKED] * len(ms),
+    ])  # fmt: skip
     results = publish(broker, rows)
     assert len(broker.batches) == 1
+    assert broker.waves == []
     assert results[rows[1].id] is TIMEOUT
-    assert rows[2].id not in results
-    assert rows[3].id not in results
+    assert not any(r.id in results for r in rows[2:])
 
 
 def test_hpub_frames_are_what_nats_py_writes():
@@ -488,7 +533,7 @@ def test_only_acked_rows_with_a_producer_context_get_a_row_span():
 
 def test_one_stream_is_one_group():
     plan = {"a.x": (PublishMode.BATCH, "A"), "a.y": (PublishMode.BATCH, "A")}
-    rows = [row("e1", "a.x", 1), row("e2", "a.y", 2), row("e1", "a.y", 3)]
+    rows = [row(f"e{n % 2}", "a.y" if n % 3 else "a.x", n) for n in range(FAST_BATCH)]
     assert split_by_publish_mode(rows, plan) == ([], [(PublishMode.BATCH, rows)])
     message = {"a.x": (PublishMode.MESSAGE, "A")}
     assert split_by_publish_mode(rows[:1], message) == (rows[:1], [])
