@@ -15,6 +15,7 @@ from nats.js.api import StreamConfig
 
 from relay.envelope import build_message
 from relay.model import OutboxRow
+from relay.streams import MIN_BATCH_MESSAGES, PublishMode
 from relay_tools.localservers import throwaway_nats
 from tests.support import database
 from tests.support.database import Event
@@ -87,6 +88,28 @@ def test_each_mode_delivers_every_row_once_in_order(  # noqa: PLR0917 - fixtures
             relay.metric("outbox_relay_batch_publishes_total", mode=expected, outcome="turned_down")
             == 0
         )
+
+
+def test_a_few_rows_go_per_message_into_a_stream_that_takes_fast_batches(
+    db_url, start_relay, nats215
+):
+    """A fast batch costs two broker round trips (its first message goes alone), so a
+    transaction of a few rows, what a claim finds at light load, goes per message;
+    a larger one as a fast batch (MIN_BATCH_MESSAGES, docs/publish-modes.md)."""
+    stream = TestStream(nats215.url, **BOTH)
+    relay = start_relay(nats_url=nats215.url, **FAST)
+    wait_until(lambda: f"{stream.name}: batch" in relay.logs(), 30, message="fast batches chosen")
+    few = MIN_BATCH_MESSAGES[PublishMode.BATCH] - 1
+    sent = events(stream, few + 2 * MIN_BATCH_MESSAGES[PublishMode.BATCH], subjects=7)
+    database.insert(db_url, sent[:few])  # one transaction: one claim finds all of them
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 30, message="the few published")
+    published = relay.metrics().items()
+    assert sum(v for k, v in published if k.startswith("outbox_relay_published_total{")) == few
+    assert relay.metric("outbox_relay_batch_publishes_total", mode="batch", outcome="stored") == 0
+    database.insert(db_url, sent[few:])
+    wait_until(lambda: database.unpublished_count(db_url) == 0, 30, message="every row published")
+    assert relay.metric("outbox_relay_batch_publishes_total", mode="batch", outcome="stored") >= 1
+    assert_each_once_in_order(stream, sent)
 
 
 @pytest.mark.parametrize("mode", ["batch", "atomic"])
