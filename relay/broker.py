@@ -110,6 +110,7 @@ class Broker:
         self._on_modes_change = on_modes_change
         self._on_batch = on_batch or (lambda mode, outcome: None)
         self._stream_modes = StreamModesCache()
+        self._server_version: tuple[int, int, int] | None = None
         self._modes: dict[str, PublishMode] = {}
         self._streams_reading: asyncio.Task[None] | None = None
 
@@ -141,6 +142,7 @@ class Broker:
             url = self._nc.connected_url if self._nc else None
             log.info("NATS reconnected to %s", redact_nats_url(url.geturl()) if url else "?")
             self._stream_modes.changed()  # a change while away sent no advisory here
+            self._server_version = None  # perhaps another server of the cluster
             if self._nc is not None:
                 bound_unacknowledged_data(self._nc)  # the new connection's socket
             self._on_change(True)
@@ -154,6 +156,7 @@ class Broker:
         async def closed() -> None:
             self._on_change(False)
 
+        self._server_version = None
         try:
             self._nc = await aio.call(
                 nats.connect,
@@ -220,14 +223,19 @@ class Broker:
 
     @property
     def server_version(self) -> tuple[int, int, int]:
+        """The connected server's version, read once a connection: nats-py parses the
+        server's version string with a regular expression at every ask, and each batch
+        asks."""
         nc = self._nc
         if nc is None:
             return (0, 0, 0)
-        try:
-            version = nc.connected_server_version
-        except Exception:  # noqa: BLE001 - an unparsable version: assume the oldest
-            return (0, 0, 0)
-        return (version.major, version.minor, version.patch)
+        if self._server_version is None:
+            try:
+                version = nc.connected_server_version
+                self._server_version = (version.major, version.minor, version.patch)
+            except Exception:  # noqa: BLE001 - an unparsable version: assume the oldest
+                self._server_version = (0, 0, 0)
+        return self._server_version
 
     async def publish_modes(self, subjects: Iterable[str]) -> dict[str, tuple[PublishMode, str]]:
         """trio side: for each subject, the mode to publish it with and the stream

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import pytest
 import trio
-from nats.aio.client import _CRLF_, NATS_HDR_LINE, Client
+from nats.aio.client import _CRLF_, NATS_HDR_LINE, Client, ServerVersion
 from nats.protocol.command import hpub_cmd
 
 from relay import aio
@@ -22,6 +22,7 @@ from relay.batchreplies import (
     Reply,
     decode,
 )
+from relay.broker import Broker
 from relay.config import Config
 from relay.envelope import Message, MessageSettings, message_for
 from relay.failpoints import Failpoints
@@ -537,3 +538,31 @@ def test_one_stream_is_one_group():
     assert split_by_publish_mode(rows, plan) == ([], [(PublishMode.BATCH, rows)])
     message = {"a.x": (PublishMode.MESSAGE, "A")}
     assert split_by_publish_mode(rows[:1], message) == (rows[:1], [])
+
+
+class CountingClient:
+    """A connected client as far as ``Broker.server_version`` looks: nats-py builds
+    and parses a new ServerVersion at every ask."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.asked = 0
+
+    @property
+    def connected_server_version(self) -> ServerVersion:
+        self.asked += 1
+        return ServerVersion(self.version)
+
+
+def test_the_server_version_is_parsed_once_a_connection():
+    broker = Broker(["nats://127.0.0.1:4222"], lambda connected: None)
+    client = CountingClient("2.15.1")
+    broker._nc = client  # type: ignore[assignment]
+    assert broker.server_version == (2, 15, 1)
+    assert broker.server_version == (2, 15, 1)
+    assert client.asked == 1
+    broker._nc = None
+    assert broker.server_version == (0, 0, 0)  # not connected: the oldest, not remembered
+    broker._nc = CountingClient("not a version")  # type: ignore[assignment]
+    broker._server_version = None  # as connect and the reconnect callback do
+    assert broker.server_version == (0, 0, 0)
