@@ -156,6 +156,7 @@ class Config:
     batch_size: int = 500
     publish_mode: str = "auto"
     poll_interval: float = 1.0
+    linger: float = 0.01  # relay/scheduler.py LINGER_MAX
     publish_timeout: float = 5.0
     max_attempts: int = 20
     backoff_base: float = 1.0
@@ -419,6 +420,11 @@ RUN_OPTIONS: tuple[Option, ...] = (
         switch=True,
     ),
     _duration("poll_interval", "fallback poll when no notification comes"),
+    _duration(
+        "linger",
+        "under load, the longest the relay waits for more rows before it claims again: "
+        "lower for less latency, higher for less CPU per event (docs/performance.md)",
+    ),
     _duration(
         "publish_timeout",
         "longest a batch may wait for broker acks (bounds how long row locks are held)",

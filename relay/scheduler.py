@@ -36,13 +36,13 @@ log = logging.getLogger(__name__)
 DATABASE_BUDGET = 15.0
 
 # After a drain that found rows, wait a little for more before claiming again (or
-# going to sleep): in proportion to how many rows came, up to a cap. A lone row
-# (light load) costs a fraction of a millisecond and the scheduler soon sleeps, so
-# the next row wakes it by notification. Under heavy load the scheduler polls at
-# the capped pace instead, in batches large enough to be cheap, and never takes the
-# sleep lock, so producers never notify.
+# going to sleep): in proportion to how many rows came, up to a cap (--linger). A
+# lone row (light load) costs a fraction of a millisecond and the scheduler soon
+# sleeps, so the next row wakes it by notification. Under heavy load the scheduler
+# polls at the capped pace instead, in batches large enough to be cheap, and never
+# takes the sleep lock, so producers never notify.
 LINGER_PER_ROW = 0.0002
-LINGER_MAX = 0.01
+LINGER_MAX = 0.01  # --linger's default
 
 
 # Of the relays sharing a table, the one holding its pace lock (relay/listener.py)
@@ -64,9 +64,10 @@ def standby_pause(longest_wait: float) -> float:
     return STANDBY_PAUSE if longest_wait > STANDBY_PAUSE_IDLE / 2 else STANDBY_PAUSE_IDLE
 
 
-def linger_for(claimed: int) -> float:
-    """Seconds to wait for more rows after a drain that claimed ``claimed``."""
-    return min(LINGER_MAX, claimed * LINGER_PER_ROW)
+def linger_for(claimed: int, longest: float = LINGER_MAX) -> float:
+    """Seconds to wait for more rows after a drain that claimed ``claimed``, at most
+    ``longest`` (--linger)."""
+    return min(longest, claimed * LINGER_PER_ROW)
 
 
 # While rows come slower than RATE_FAST a second the relay keeps the sleep lock as it
@@ -100,11 +101,11 @@ class ClaimRate:
         self.fast = per_second >= RATE_SLOW if self.fast else per_second > RATE_FAST
         return self.fast
 
-    def gap(self) -> float:
+    def gap(self, longest: float = LINGER_MAX) -> float:
         """How long to wait after a claim that found nothing while rows come fast: about
-        two rows' worth at the last rate, up to LINGER_MAX."""
+        two rows' worth at the last rate, up to ``longest`` (--linger)."""
         per_second = self._rows / RATE_WINDOW
-        return LINGER_MAX if per_second <= 0 else min(LINGER_MAX, 2.0 / per_second)
+        return longest if per_second <= 0 else min(longest, 2.0 / per_second)
 
 
 # How soon to claim again when producers were mid-transaction as the scheduler
@@ -288,7 +289,10 @@ class Scheduler:
                 # lock, which would make every producer notify (and so take the
                 # notification queue's lock at commit) until we woke again.
                 found = claimed or self._wakeup.pending
-                with trio.move_on_after(linger_for(claimed) if found else self._rate.gap()):
+                longest = self._config.linger
+                with trio.move_on_after(
+                    linger_for(claimed, longest) if found else self._rate.gap(longest)
+                ):
                     await self._wakeup.wait_pending()
                 self._count(self._wakeup.take())
                 continue

@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 
 from relay.app import start_failure
 from relay.backoff import ReconnectBackoff, row_retry_delay
+from relay.config import Config
 from relay.envelope import MSG_ID_HEADER, build_message
 from relay.errors import ConfigError, SetupError
 from relay.inboxes import AckInbox, Wave
@@ -386,6 +387,9 @@ def test_linger_grows_with_the_rows_found_and_is_capped():
     assert linger_for(1) == pytest.approx(0.0002)
     assert linger_for(20) == pytest.approx(0.004)
     assert linger_for(500) == 0.01
+    assert linger_for(500, 0.004) == 0.004  # --linger
+    assert linger_for(5, 0.004) == pytest.approx(0.001)
+    assert Config().linger == LINGER_MAX
 
 
 def steady(rate: ClaimRate, per_second: float, seconds: float, start: float = 0.0) -> float:
@@ -431,6 +435,7 @@ def test_a_claim_that_finds_nothing_while_rows_come_fast_waits_about_two_rows_wo
     assert rate.gap() == pytest.approx(0.001, rel=0.05)
     steady(rate, 100, 10)
     assert rate.gap() == LINGER_MAX
+    assert rate.gap(0.003) == 0.003  # --linger
 
 
 def test_sleep_retry_pause_starts_at_zero_and_doubles_to_a_cap():

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from itertools import pairwise
+from typing import Any
 
 import pytest
 import trio
@@ -26,6 +27,7 @@ from relay.model import Acked, Failed, FailureReason, OutboxRow, PublishResult
 from relay.scheduler import (
     BATCHES_IN_FLIGHT,
     LINGER_MAX,
+    LINGER_PER_ROW,
     RATE_FAST,
     RATE_SLOW,
     SLEEP_RETRY_MAX,
@@ -126,7 +128,7 @@ class BrokerLink:
 
 
 class World:
-    def __init__(self) -> None:
+    def __init__(self, **settings: Any) -> None:
         self.table = Table()
         self.lock = SleepLock(self.table)
         self.broker = BrokerLink()
@@ -135,7 +137,7 @@ class World:
         self.metrics = Metrics(CollectorRegistry())
         self.stopping = trio.Event()
         self.scheduler = Scheduler(
-            config=Config(batch_size=BATCH_SIZE),
+            config=Config(batch_size=BATCH_SIZE, **settings),
             run_batch=self.table.run_batch,
             broker=self.broker,
             metrics=self.metrics,
@@ -155,9 +157,9 @@ class World:
                 await trio.sleep(0.001)
 
 
-def run(test: Callable[[World], Awaitable[None]]) -> None:
+def run(test: Callable[[World], Awaitable[None]], **settings: Any) -> None:
     async def main() -> None:
-        world = World()
+        world = World(**settings)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(world.scheduler.run, world.stopping)
             await test(world)
@@ -250,6 +252,23 @@ def test_while_rows_flow_fast_it_lets_the_lock_go_lingers_and_never_takes_it_aga
         assert not world.lock.held
 
     run(test)
+
+
+@pytest.mark.parametrize("linger", [None, 0.001])
+def test_while_rows_flow_fast_it_lingers_at_most_the_linger_setting(linger):
+    rows = BATCH_SIZE - 1  # each claim's linger: rows * LINGER_PER_ROW, under the default
+
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.table.pending = rows
+        world.wakeup.set("notify")
+        await commit_after_each_claim(world, rows, 1.0)
+        gaps = [b[0] - a[0] for a, b in pairwise(world.table.claims[2:])]
+        assert len(gaps) > 50, world.table.claims
+        longest = rows * LINGER_PER_ROW if linger is None else linger
+        assert max(gaps) == pytest.approx(BATCH_TIME + longest, abs=2e-4)
+
+    run(test, **({} if linger is None else {"linger": linger}))
 
 
 def test_a_burst_at_light_load_keeps_the_lock():
