@@ -118,6 +118,24 @@ def test_the_round_trip_bench_prints_each_way_of_waiting():
     )
 
 
+def test_the_publish_latency_bench_runs_each_relay_in_turns():
+    """`python -m relay_tools.bench.publish_latency`: a line per turn and a median line
+    per relay, this checkout run in two publish modes (figures only: no speed is
+    asserted)."""
+    here = str(Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-m", "relay_tools.bench.publish_latency", "--rate", "50",
+         "--seconds", "1", "--repetitions", "1",
+         "--relay", f"{here}:batch", "--relay", f"{here}:message"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    turn = r"p50 [\d.]+ ms, p99 [\d.]+ ms.*CPU \d+ us an event"
+    for mode in ("batch", "message"):
+        assert re.search(rf"1/1 {re.escape(here)}:{mode}: {turn}", result.stdout), result.stdout
+        assert re.search(rf"  {re.escape(here)}:{mode}: {turn}", result.stdout), result.stdout
+
+
 def test_demo_beside_a_real_outbox_touches_nothing_of_it(db_url, stream):
     """With the user's servers named, the demo runs beside their outbox: their rows,
     their relay's channel and their stream are left exactly as they were, and what
