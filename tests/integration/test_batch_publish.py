@@ -16,6 +16,7 @@ from nats.js.api import StreamConfig
 from relay.envelope import build_message
 from relay.model import OutboxRow
 from relay.streams import MIN_BATCH_MESSAGES, PublishMode
+from relay_tools import exposition
 from relay_tools.localservers import throwaway_nats
 from tests.support import database
 from tests.support.database import Event
@@ -103,8 +104,7 @@ def test_a_few_rows_go_per_message_into_a_stream_that_takes_fast_batches(
     sent = events(stream, few + 2 * MIN_BATCH_MESSAGES[PublishMode.BATCH], subjects=7)
     database.insert(db_url, sent[:few])  # one transaction: one claim finds all of them
     wait_until(lambda: database.unpublished_count(db_url) == 0, 30, message="the few published")
-    published = relay.metrics().items()
-    assert sum(v for k, v in published if k.startswith("outbox_relay_published_total{")) == few
+    assert exposition.total(relay.metrics(), "outbox_relay_published_total") == few
     assert relay.metric("outbox_relay_batch_publishes_total", mode="batch", outcome="stored") == 0
     database.insert(db_url, sent[few:])
     wait_until(lambda: database.unpublished_count(db_url) == 0, 30, message="every row published")
