@@ -337,8 +337,10 @@ class Scheduler:
             return
         with trio.move_on_after(standby_pause(self._longest_wait)):
             await stopping.wait()
-        self._wakeup.take()
-        self.heartbeat = trio.current_time()
+        # The claims after the pause answer whatever woke it meanwhile; counted, so
+        # that a reconnect while standing by shows (the pace lock of a LISTEN session
+        # that died stays taken until its backend has exited).
+        self._count(self._wakeup.take())
 
     def _lock_kept(self) -> bool:
         return self._kept is not None and self._listener.holds(self._kept)

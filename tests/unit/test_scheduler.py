@@ -362,6 +362,27 @@ def test_a_relay_that_takes_the_pace_lock_runs_as_a_relay_alone():
     run(test)
 
 
+def test_a_wake_up_that_comes_while_standing_by_is_counted():
+    # A LISTEN connection that reconnects while another session still holds the pace
+    # lock (the old one's backend not yet gone) stands by, and its reconnect wake-up
+    # comes during a standby pause: the claims after the pause answer it, and the
+    # wake-ups metric counts it.
+    async def test(world: World) -> None:
+        await world.asleep()
+        world.lock.stands_by = True
+        world.wakeup.set("notify")
+        claims = len(world.table.claims)
+        while len(world.table.claims) == claims:  # noqa: ASYNC110
+            await trio.sleep(BATCH_TIME / 10)
+        await trio.sleep(2 * BATCH_TIME)  # the drain ended: in the pause
+        world.wakeup.set("reconnect")
+        with trio.fail_after(1.0):
+            while not world.metric("outbox_relay_wakeups_total", reason="reconnect"):  # noqa: ASYNC110
+                await trio.sleep(STANDBY_PAUSE / 10)
+
+    run(test)
+
+
 def test_a_relay_without_a_broker_may_not_pace_the_table():
     async def test(world: World) -> None:
         await world.asleep()
