@@ -632,13 +632,34 @@ def test_while_the_late_row_triggers_do_not_fire_every_claim_walks_from_the_firs
     run(db_url, test)
 
 
+# A partitioned table attached as a partition (an archive of older partitions, say):
+# its own partitions carry the triggers, one level further down.
+SUB_PARTITIONED = """
+do $$
+declare bound text := (select pg_get_expr(relpartbound, oid) from pg_class
+                        where relname = 'outbox_events_before');
+begin
+  alter table outbox_events detach partition outbox_events_before;
+  create table outbox_events_archive (like outbox_events including defaults
+                                      including constraints) partition by range (created_at);
+  execute 'alter table outbox_events_archive attach partition outbox_events_before ' || bound;
+  execute 'alter table outbox_events attach partition outbox_events_archive ' || bound;
+end $$;
+"""
+
+
 @pytest.mark.parametrize("outbox_layout", ["partitioned"])
+@pytest.mark.parametrize("depth", ["partition", "partition of a partition"])
 def test_a_late_row_trigger_disabled_on_one_partition_makes_claims_walk_from_the_first_entry(
-    db_url,
+    db_url, depth
 ):
     # Each partition carries its own copies of the triggers, and ALTER TABLE on one
     # partition disables only its copy: the parent's stay enabled. The claim's guard
-    # and the start-up check look at every partition's.
+    # and the start-up check look at every partition's, at every level.
+    if depth != "partition":
+        database.execute(db_url, SUB_PARTITIONED)
+        assert database.fetch(db_url, query(NAMES, "late_guard")) == [([],)]
+
     async def test(claims: Claims) -> None:
         await published_then_passed(db_url, claims)
         disable = "alter table outbox_events_before {} trigger zz_outbox_events_relay_late"
