@@ -741,6 +741,12 @@ class Database:
         assert row is not None  # an aggregate always returns one row
         return Deleted(*row)
 
+    async def purge_late_keys(self) -> int:
+        """Remove the late rows' keys whose rows are gone or spent; how many."""
+        async with self.connection("retention") as conn, translated("retention"):
+            cursor = await aio.call(conn.execute, query(self.names, "purge_late_keys"))
+        return cursor.rowcount
+
     async def partition_layout(self) -> PartitionLayout:
         """Whether the table is partitioned the way the relay manages, by range of
         created_at, and if so its partitions; with the database's clock."""

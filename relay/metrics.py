@@ -148,6 +148,7 @@ class Metrics:
     wakeups: Counter
     sleeps: Counter
     retention_deleted: Counter
+    late_keys_purged: Counter
     partitions_dropped: Counter
     partitions_held: Gauge
     partitions_created: Counter

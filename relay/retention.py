@@ -71,6 +71,13 @@ async def run_retention(config: Config, database: Database, metrics: Metrics) ->
                     await retire_partitions(config, database, metrics, layout)
             else:
                 await _delete_spent(config, database, metrics, cursor)
+            if purged := await database.purge_late_keys():
+                metrics.late_keys_purged.inc(purged)
+                log.warning(
+                    "retention removed %d late rows' keys whose rows were gone (a TRUNCATE "
+                    "or a partition dropped by hand); claims started from them until now",
+                    purged,
+                )
         except RelayError as exc:
             cursor.failed()
             metrics.database_errors.labels(task="retention").inc()

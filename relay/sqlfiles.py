@@ -130,12 +130,19 @@ class Names:
     seq_check: sql.Identifier
     late_idx: sql.Identifier
     late_idx_qualified: sql.Identifier
+    late_keys: sql.Identifier
+    late_keys_idx: sql.Identifier
+    late_key_function: sql.Identifier
+    late_key_added: sql.Identifier
+    late_key_moved: sql.Identifier
+    late_key_gone: sql.Identifier
     channel: sql.Literal
     idle_lock_key1: sql.Literal
     idle_lock_key2: sql.Literal
     trigger_name: str
     late_trigger_name: str
     revive_trigger_name: str
+    late_key_trigger_names: tuple[str, str, str]  # added, moved, gone
     # The table's schema (empty: the search path's) and name, for its partitions'.
     schema: tuple[str, ...]
     base: str
@@ -206,12 +213,24 @@ class Names:
             seq_check=sql.Identifier(f"{base}_relay_seq_set"),
             late_idx=sql.Identifier(f"{base}_relay_late_idx"),
             late_idx_qualified=sql.Identifier(*schema, f"{base}_relay_late_idx"),
+            late_keys=sql.Identifier(*schema, f"{base}_relay_late_keys"),
+            late_keys_idx=sql.Identifier(f"{base}_relay_late_keys_idx"),
+            late_key_function=sql.Identifier(*schema, f"{base}_relay_late_key"),
+            # After the row triggers above, by their names as by their timing.
+            late_key_added=sql.Identifier(f"zz_{base}_relay_late_key_added"),
+            late_key_moved=sql.Identifier(f"zz_{base}_relay_late_key_moved"),
+            late_key_gone=sql.Identifier(f"zz_{base}_relay_late_key_gone"),
             channel=sql.Literal(config.channel),
             idle_lock_key1=sql.Literal(IDLE_LOCK_CLASS),
             idle_lock_key2=sql.Literal(idle_lock_key(config)),
             trigger_name=f"{base}_relay_notify",
             late_trigger_name=f"zz_{base}_relay_late",
             revive_trigger_name=f"zz_{base}_relay_revived",
+            late_key_trigger_names=(
+                f"zz_{base}_relay_late_key_added",
+                f"zz_{base}_relay_late_key_moved",
+                f"zz_{base}_relay_late_key_gone",
+            ),
             schema=tuple(schema),
             base=base,
             catalog_names={
@@ -224,6 +243,8 @@ class Names:
                 "old_retry_idx": sql.Literal(_quoted(*schema, f"{base}_relay_retry_idx")),
                 "published_idx": sql.Literal(_quoted(*schema, f"{base}_relay_published_idx")),
                 "late_idx": sql.Literal(_quoted(*schema, f"{base}_relay_late_idx")),
+                "late_keys": sql.Literal(_quoted(*schema, f"{base}_relay_late_keys")),
+                "late_key_function": sql.Literal(_quoted(*schema, f"{base}_relay_late_key")),
                 "old_late_trigger": sql.Literal(f"{base}_relay_late"),
                 "seq_check": sql.Literal(f"{base}_relay_seq_set"),
             },
@@ -255,6 +276,26 @@ class Names:
             late_idx_name=self.catalog_names["late_idx"],
             late_idx=self.late_idx,
             late_idx_qualified=self.late_idx_qualified,
+            late_keys=self.late_keys,
+            late_keys_name=self.catalog_names["late_keys"],
+            late_keys_idx=self.late_keys_idx,
+            late_key_function=self.late_key_function,
+            late_key_function_name=self.catalog_names["late_key_function"],
+            late_key_added=self.late_key_added,
+            late_key_moved=self.late_key_moved,
+            late_key_gone=self.late_key_gone,
+            late_key_added_name=sql.Literal(self.late_key_trigger_names[0]),
+            late_key_moved_name=sql.Literal(self.late_key_trigger_names[1]),
+            late_key_gone_name=sql.Literal(self.late_key_trigger_names[2]),
+            late_trigger_names=sql.SQL(", ").join(
+                sql.Literal(name)
+                for name in (
+                    self.late_trigger_name,
+                    self.revive_trigger_name,
+                    *self.late_key_trigger_names,
+                )
+            ),
+            late_trigger_count=sql.Literal(2 + len(self.late_key_trigger_names)),
             late_insert=LATE_INSERT,
             late_trigger_comment=LATE_TRIGGER_COMMENT,
             claim_reach=CLAIM_REACH,

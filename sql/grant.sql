@@ -16,3 +16,5 @@ begin
 end
 $$;
 grant select, update, delete on {table} to {role};
+-- The late rows' keys: read by every claim, purged by retention.
+grant select, delete on {late_keys} to {role};

@@ -156,6 +156,9 @@ alter table {before} add constraint {before_key} unique using index {before_key}
 drop trigger {notify_trigger} on {before};
 drop trigger {late_trigger} on {before};
 drop trigger {revive_trigger} on {before};
+drop trigger if exists {late_key_added} on {before};
+drop trigger if exists {late_key_moved} on {before};
+drop trigger if exists {late_key_gone} on {before};
 create table {table} (like {before} including defaults) partition by range (created_at);
 alter table {table} add primary key (id, created_at);
 alter table {table} attach partition {before} for values from (minvalue) to ({bound})

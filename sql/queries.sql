@@ -59,10 +59,10 @@ and {row}.created_at <= greatest(statement_timestamp() + {claim_reach}, {ceiling
 -- '-infinity'. Parameters only, so Postgres prunes by it when the claim starts, and
 -- the partitions behind the start key (a week of them by default) are not opened by
 -- each of those walks (docs/partitions.md). The per-row probe of claimable begins
--- there too (dead_below says why it may). The late rows' lookup goes without: the
--- rows it looks for may lie anywhere. A claim whose walks would start below the
--- floor claims nothing (floor_refusal), and the relay runs it again with the
--- floor_cap '-infinity'.
+-- there too (dead_below says why it may). The late rows' lookup reads their keys'
+-- own table, which has no partitions to open. A claim whose walks would start
+-- below the floor claims nothing (floor_refusal), and the relay runs it again with
+-- the floor_cap '-infinity'.
 and {row}.created_at >= least({raw_floor(k)}, {floor_cap})
 
 -- fragment: raw_floor
@@ -171,7 +171,7 @@ end
 -- claim whose own xid is older than that xmin, and a row it inserts then has a
 -- created_at no earlier than that, less the late-insert slack, unless the late-insert
 -- trigger flagged it (relay_late, sql/install/004_late_rows.sql): those, and rows
--- `requeue` brought back, are found through their own small index. A transaction
+-- `requeue` brought back, are found through their keys' own table. A transaction
 -- that has written and stays open holds that xmin itself; the table's writers
 -- (relay/writers.py) give a second bound (locks_at, and the writers this claim's
 -- snapshot sees finished), and the later of the two is the claim's ("bound").
@@ -201,19 +201,20 @@ bound as materialized (
                         (select min(since) from finished_writers))) as since
 ),
 guard as materialized (
-  -- Whether the start key may be trusted now: both of the late-row triggers fire
-  -- ALWAYS (sql/install/004_late_rows.sql; disabled, they flag nothing), and the
+  -- Whether the start key may be trusted now: the late-row triggers, and those that
+  -- keep the late rows' keys, fire ALWAYS (sql/install/004_late_rows.sql; disabled,
+  -- they flag nothing, or the claim does not find what they flagged), and the
   -- clock has not gone back behind the bound (rows committed since may carry
   -- created_at values before it). Otherwise this claim walks from the first entry.
   -- A partitioned table's partitions carry their own copies of the triggers, which
   -- can be disabled one by one (pg_partition_tree has no row for a plain table).
   select (select count(*) from pg_trigger
            where tgrelid = {table_name}::regclass
-             and tgname in ({late_trigger_name}, {revive_trigger_name})
-             and tgenabled = 'A') < 2
+             and tgname in ({late_trigger_names})
+             and tgenabled = 'A') < {late_trigger_count}
          or exists (select 1 from pg_trigger
                      where tgrelid in (select relid from pg_partition_tree({table_name}))
-                       and tgname in ({late_trigger_name}, {revive_trigger_name})
+                       and tgname in ({late_trigger_names})
                        and tgenabled <> 'A')
          or statement_timestamp() < (select since from bound) as off
 ),
@@ -226,8 +227,8 @@ walk_from as materialized (
           select (select since from bound) - {late_insert}, -9223372036854775808
           union all
           (select l.created_at, l.relay_seq
-             from {table} l
-            where l.relay_late and coalesce(l.published_at, l.relay_dead_at) is null
+             from {late_keys} l
+            where true
               {walk_ceiling(l)}
             order by l.created_at, l.relay_seq
             limit 1)) k (created_at, relay_seq)
@@ -377,6 +378,17 @@ update {table} t
        as f(id, attempts, delay, error)
  where t.id = f.id {created_span};
 
+-- name: purge_late_keys
+-- Retention: the late rows' keys that no live late row has any longer (a TRUNCATE,
+-- a partition dropped by hand: sql/install/004_late_rows.sql). Harmless while they
+-- stay, but every claim's walks would start at the earliest of them. A key another
+-- transaction is writing is not seen yet, and its row is live when it is.
+delete from {late_keys} k
+ where not exists (select 1 from {table} t
+                    where t.id = k.id and t.created_at = k.created_at
+                      and t.relay_seq = k.relay_seq and t.relay_late
+                      and coalesce(t.published_at, t.relay_dead_at) is null);
+
 -- name: delete_spent
 -- Retention: spent rows only, oldest first, with the same skip-locked discipline
 -- as the publisher so it never waits on (or blocks) a batch in flight. It walks the
@@ -428,13 +440,13 @@ select count(*) from pg_trigger
 select array_remove(array[
   case when (select count(*) from pg_trigger
               where tgrelid = {table_name}::regclass
-                and tgname in ({late_trigger_name}, {revive_trigger_name})
-                and tgenabled = 'A') < 2
+                and tgname in ({late_trigger_names})
+                and tgenabled = 'A') < {late_trigger_count}
        then 'the late-row triggers are missing or do not fire ALWAYS' end,
   (select 'the late-row triggers do not fire ALWAYS on partition ' || min(tgrelid::regclass::text)
      from pg_trigger
     where tgrelid in (select relid from pg_partition_tree({table_name}))
-      and tgname in ({late_trigger_name}, {revive_trigger_name})
+      and tgname in ({late_trigger_names})
       and tgenabled <> 'A'
    having count(*) > 0),
   case when not exists (select 1 from pg_constraint

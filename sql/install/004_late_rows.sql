@@ -132,3 +132,109 @@ begin
   end if;
 end
 $$;
+
+-- The live late rows' keys, in a small table of their own: where the claim looks for
+-- them. On a partitioned table the index above is one index a partition, and a claim
+-- that looked there opened every partition, at every claim (docs/partitions.md,
+-- *What partitions cost*). A key is the row's (id, created_at, relay_seq): a producer
+-- may give a relay_seq twice, never an id within a partition.
+--
+-- Written by AFTER row triggers, so that a row an "on conflict do nothing" skipped
+-- leaves no key, and removed in the same transaction that publishes, kills, deletes
+-- or moves the row. The function runs as its owner (security definer, with a search
+-- path of its own): a producer's role may insert into the outbox and nothing else.
+-- A key outlives its row only where no row trigger fires (TRUNCATE, a partition
+-- dropped by hand): it only makes the claims' walks start earlier, and retention
+-- removes it (purge_late_keys in sql/queries.sql).
+do $$
+begin
+  if to_regclass({late_keys_name}) is null then
+    create table {late_keys} as
+      select id, created_at, relay_seq from {table} with no data;
+    create index {late_keys_idx} on {late_keys} (created_at, relay_seq);
+  end if;
+end
+$$;
+
+create or replace function {late_key_function}() returns trigger
+language plpgsql security definer as $$
+begin
+  if tg_op <> 'INSERT' then
+    if old.relay_late and coalesce(old.published_at, old.relay_dead_at) is null then
+      if tg_op = 'DELETE' then
+        delete from {late_keys} k
+         where k.id = old.id and k.created_at = old.created_at and k.relay_seq = old.relay_seq;
+        return null;
+      end if;
+      if new.relay_late and coalesce(new.published_at, new.relay_dead_at) is null
+         and (new.id, new.created_at, new.relay_seq) = (old.id, old.created_at, old.relay_seq) then
+        return null;  -- still live, still where it was: a failed attempt, say
+      end if;
+      delete from {late_keys} k
+       where k.id = old.id and k.created_at = old.created_at and k.relay_seq = old.relay_seq;
+    end if;
+  end if;
+  if tg_op <> 'DELETE' and new.relay_late
+     and coalesce(new.published_at, new.relay_dead_at) is null then
+    insert into {late_keys} (id, created_at, relay_seq)
+    values (new.id, new.created_at, new.relay_seq);
+  end if;
+  return null;
+end
+$$;
+
+do $$
+begin
+  -- Its own search path: pg_catalog first, then the keys table's schema, pg_temp
+  -- last, so that no caller's search path or temporary table stands in for them.
+  execute format('alter function %s() set search_path = pg_catalog, %I, pg_temp',
+                 {late_key_function_name}::regproc,
+                 (select n.nspname from pg_class c
+                    join pg_namespace n on n.oid = c.relnamespace
+                   where c.oid = {late_keys_name}::regclass));
+
+  -- Made when missing, and then the keys of the live late rows are read afresh: the
+  -- trigger's creation waits for every insert under way and holds the others back
+  -- until this transaction ends, so no late row goes without its key.
+  if not exists (select 1 from pg_trigger
+                  where tgrelid = {table_name}::regclass and tgname = {late_key_added_name}
+                    and not tgisinternal) then
+    create trigger {late_key_added}
+      after insert on {table}
+      for each row
+      when (new.relay_late)
+      execute function {late_key_function}();
+    delete from {late_keys};
+    insert into {late_keys} (id, created_at, relay_seq)
+      select id, created_at, relay_seq from {table}
+       where relay_late and coalesce(published_at, relay_dead_at) is null;
+  end if;
+  if not exists (select 1 from pg_trigger
+                  where tgrelid = {table_name}::regclass and tgname = {late_key_moved_name}
+                    and not tgisinternal) then
+    create trigger {late_key_moved}
+      after update on {table}
+      for each row
+      when ((old.relay_late and coalesce(old.published_at, old.relay_dead_at) is null)
+            or (new.relay_late and coalesce(new.published_at, new.relay_dead_at) is null))
+      execute function {late_key_function}();
+  end if;
+  if not exists (select 1 from pg_trigger
+                  where tgrelid = {table_name}::regclass and tgname = {late_key_gone_name}
+                    and not tgisinternal) then
+    create trigger {late_key_gone}
+      after delete on {table}
+      for each row
+      when (old.relay_late and coalesce(old.published_at, old.relay_dead_at) is null)
+      execute function {late_key_function}();
+  end if;
+  if exists (select 1 from pg_trigger
+              where tgrelid = {table_name}::regclass
+                and tgname in ({late_key_added_name}, {late_key_moved_name}, {late_key_gone_name})
+                and tgenabled <> 'A') then
+    alter table {table} enable always trigger {late_key_added};
+    alter table {table} enable always trigger {late_key_moved};
+    alter table {table} enable always trigger {late_key_gone};
+  end if;
+end
+$$;

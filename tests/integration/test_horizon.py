@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -573,6 +574,80 @@ def test_a_dead_row_brought_back_by_hand_and_a_row_moved_back_are_flagged(db_url
     run(db_url, test)
 
 
+def late_keys(url: str) -> list[tuple[str, bool]]:
+    """The late rows' keys: each row's id, and whether the key matches a live late row
+    exactly."""
+    return database.fetch(
+        url,
+        "select k.id::text, exists (select 1 from outbox_events t where t.id = k.id "
+        "and t.created_at = k.created_at and t.relay_seq = k.relay_seq and t.relay_late "
+        "and coalesce(t.published_at, t.relay_dead_at) is null) "
+        "from public.outbox_events_relay_late_keys k order by k.created_at, k.relay_seq",
+    )
+
+
+def test_a_late_rows_key_is_kept_where_the_claims_look_from_its_insert_to_its_end(db_url):
+    # The claims look for late rows in their keys' table: every way a row becomes a
+    # live late row writes its key, every way it stops being one removes it, in the
+    # same transaction; a producer's role that may only insert still writes the key,
+    # and its temporary table of the same name does not stand in for the real one.
+    producer = f"producer_{uuid.uuid4().hex[:12]}"
+    database.execute(db_url, f"create role {producer}")
+    try:
+        database.execute(db_url, f"grant insert on outbox_events to {producer}")
+        database.execute(db_url, f"grant usage on sequence outbox_events_relay_seq to {producer}")
+        late, on_time = str(uuid.uuid4()), str(uuid.uuid4())
+        insert_as_producer = (
+            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
+            "values (%s, 'a.b', 't', 'e1', now(), '{}', %s) on conflict do nothing"
+        )
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(f"set role {producer}")
+            conn.execute(
+                "create temporary table outbox_events_relay_late_keys "
+                "(id uuid, created_at timestamptz, relay_seq bigint)"
+            )
+            conn.execute(insert_as_producer, (late, "2026-01-01 00:00:00+00"))
+            conn.execute(insert_as_producer, (on_time, datetime.datetime.now(datetime.UTC)))
+            # The same row again, skipped by "on conflict do nothing": no second key.
+            conn.execute(insert_as_producer, (late, "2026-01-01 00:00:00+00"))
+            assert conn.execute(
+                "select count(*) from outbox_events_relay_late_keys"
+            ).fetchall() == [(0,)]
+        assert late_keys(db_url) == [(late, True)]
+
+        def update(assignments: str) -> list[tuple[str, bool]]:
+            database.execute(
+                db_url, f"update outbox_events set {assignments} where id = %s", (late,)
+            )
+            return late_keys(db_url)
+
+        assert update("attempts = attempts + 1, relay_retry_at = now()") == [(late, True)]
+        assert update("published_at = now(), relay_retry_at = null") == []
+        assert update("published_at = null") == [(late, True)]  # put back by hand
+        assert update("created_at = created_at + interval '1 minute'") == [(late, True)]
+        assert update("relay_dead_at = now(), relay_retry_at = 'infinity'") == []
+        assert update("relay_dead_at = null, relay_retry_at = null") == [(late, True)]
+        database.execute(db_url, "delete from outbox_events where id = %s", (late,))
+        assert late_keys(db_url) == []
+        # An on-time row moved back in time is flagged, and its key written.
+        database.execute(
+            db_url,
+            "update outbox_events set created_at = created_at - interval '1 hour' where id = %s",
+            (on_time,),
+        )
+        assert late_keys(db_url) == [(on_time, True)]
+        # TRUNCATE fires no row trigger: the key outlives its row until retention's purge.
+        database.execute(db_url, "truncate outbox_events")
+        assert late_keys(db_url) == [(on_time, False)]
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            assert conn.execute(query(NAMES, "purge_late_keys")).rowcount == 1
+        assert late_keys(db_url) == []
+    finally:
+        database.execute(db_url, f"drop owned by {producer}")
+        database.execute(db_url, f"drop role {producer}")
+
+
 def test_the_sweep_finds_a_row_put_back_while_the_triggers_were_off_between_claims(db_url):
     # The triggers disabled, a row put back, the triggers enabled again, all between
     # two claims: no claim saw them off (its guard would have walked from the first
@@ -606,19 +681,25 @@ async def walk_from_the_start_key_again(url: str, claims: Claims) -> None:
     assert not claims.start.walked_from_first_entry
 
 
-@pytest.mark.parametrize("how", ["disabled", "uninstalled"])
+@pytest.mark.parametrize("how", ["disabled", "key disabled", "uninstalled"])
 def test_while_the_late_row_triggers_do_not_fire_every_claim_walks_from_the_first_entry(
     db_url, how
 ):
     # Disabled by hand, or the SQL uninstalled while relays run: an old created_at
-    # goes unflagged. The claim's guard sees the triggers off and walks from the first
-    # entry, so the row goes before the later row of its subject, and the claims keep
-    # walking from there until one does so with the triggers back.
+    # goes unflagged, or flagged with no key where the claims look. The claim's guard
+    # sees the triggers off and walks from the first entry, so the row goes before the
+    # later row of its subject, and the claims keep walking from there until one does
+    # so with the triggers back.
     async def test(claims: Claims) -> None:
         await published_then_passed(db_url, claims)
         if how == "disabled":
             database.execute(
                 db_url, "alter table outbox_events disable trigger zz_outbox_events_relay_late"
+            )
+        elif how == "key disabled":
+            database.execute(
+                db_url,
+                "alter table outbox_events disable trigger zz_outbox_events_relay_late_key_added",
             )
         else:
             relay_database.uninstall(db_url, NAMES)

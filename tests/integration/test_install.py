@@ -164,11 +164,17 @@ def test_install_over_an_earlier_install_replaces_its_late_trigger_and_fires_all
 ):
     # An install before this one: its insert trigger named without "zz_", every
     # trigger firing as ordinary triggers do (not under the replica role), no
-    # revival trigger and no check.
+    # revival trigger, no check, and no table of the late rows' keys.
     assert cli("install", url=empty_db).returncode == 0
     with psycopg.connect(empty_db, autocommit=True) as conn:
         conn.execute("drop trigger zz_outbox_events_relay_late on outbox_events")
         conn.execute("drop trigger zz_outbox_events_relay_revived on outbox_events")
+        for key_trigger in ("added", "moved", "gone"):
+            conn.execute(
+                f"drop trigger zz_outbox_events_relay_late_key_{key_trigger} on outbox_events"
+            )
+        conn.execute("drop function outbox_events_relay_late_key()")
+        conn.execute("drop table outbox_events_relay_late_keys")
         conn.execute("alter table outbox_events drop constraint outbox_events_relay_seq_set")
         conn.execute(
             "create trigger outbox_events_relay_late before insert on outbox_events "
@@ -176,6 +182,12 @@ def test_install_over_an_earlier_install_replaces_its_late_trigger_and_fires_all
             "execute function outbox_events_relay_late()"
         )
         conn.execute("alter table outbox_events enable trigger outbox_events_relay_notify")
+        # A row that trigger flagged, live: the install finds its key.
+        conn.execute(
+            "insert into outbox_events (id, event_type, source, subject, time, data, created_at) "
+            "values ('00000000-0000-0000-0000-00000000000a', 'a.b', 't', 's', now(), '{}', "
+            "now() - interval '1 hour')"
+        )
     [(problems,)] = database.fetch(empty_db, query(Names.for_config(Config()), "late_guard"))
     assert problems == [
         "the late-row triggers are missing or do not fire ALWAYS",
@@ -190,9 +202,15 @@ def test_install_over_an_earlier_install_replaces_its_late_trigger_and_fires_all
     assert triggers == [
         ("outbox_events_relay_notify", "A"),
         ("zz_outbox_events_relay_late", "A"),
+        ("zz_outbox_events_relay_late_key_added", "A"),
+        ("zz_outbox_events_relay_late_key_gone", "A"),
+        ("zz_outbox_events_relay_late_key_moved", "A"),
         ("zz_outbox_events_relay_revived", "A"),
     ]
     assert database.fetch(empty_db, query(Names.for_config(Config()), "late_guard")) == [([],)]
+    assert database.fetch(empty_db, "select id::text from outbox_events_relay_late_keys") == [
+        ("00000000-0000-0000-0000-00000000000a",)
+    ]
     assert cli("uninstall", url=empty_db).returncode == 0
     assert database.fetch(
         empty_db,
@@ -505,7 +523,7 @@ def claim_plan(conn, batch_size: int = 500) -> str:
 def assert_claim_reads_about_a_batch(plan: str, batch_size: int = 500) -> None:
     """Every scan of the claim reads at most two batches' worth of rows (it may step
     over a batch another relay holds), walks only the claim index, the retry index or
-    the late rows' index, and sorts nothing bigger than its own batch. The guard reads
+    the late rows' keys' index, and sorts nothing bigger than its own batch. The guard reads
     the catalog's few triggers of the table (a scan of pg_trigger, which the planner
     walks by its index once a database has many)."""
     for line in plan.splitlines():
@@ -515,7 +533,8 @@ def assert_claim_reads_about_a_batch(plan: str, batch_size: int = 500) -> None:
             raise AssertionError(f"{line.strip()} in plan:\n{plan}")
         if "Scan using" in line and "on outbox_events" in line:
             assert any(
-                f"outbox_events_relay_{index}_idx" in line for index in ("claim", "waiting", "late")
+                f"outbox_events_relay_{index}_idx" in line
+                for index in ("claim", "waiting", "late_keys")
             ), plan
             found = re.search(r"rows=(\d+) loops=(\d+)", line)
             assert found, line

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import trio
+from prometheus_client import CollectorRegistry
 
 from relay import retention
 from relay.config import Config
 from relay.database import PartitionLayout
+from relay.metrics import Metrics
 from relay.partitions import (
     Partition,
     expired,
@@ -155,6 +157,32 @@ def test_claims_open_the_partitions_up_to_their_reach_not_those_ahead_of_it():
     assert opened_by_claims(partitions, T + HOUR - 30) == 26  # the next hour is in reach
 
 
+def test_retention_counts_and_names_the_late_rows_keys_it_purges(caplog):
+    # Keys left by a TRUNCATE or a partition dropped by hand: harmless, but every claim
+    # would walk from them, so retention removes them and says so.
+    purges = [2, 0]
+
+    class Database:
+        pooled: bool | None = None  # no partitions retired: only the purge runs
+
+        async def partition_layout(self) -> PartitionLayout:
+            return PartitionLayout("p", True, hourly(-3, 0, 1), T)
+
+        async def purge_late_keys(self) -> int:
+            return purges.pop(0) if purges else 0
+
+    metrics = Metrics(CollectorRegistry())
+
+    async def two_rounds() -> None:
+        with trio.move_on_after(0.05 + 0.02):
+            await run_retention(Config(retention_interval=0.05), Database(), metrics)  # type: ignore[arg-type]
+
+    trio.run(two_rounds)
+    assert metrics.registry.get_sample_value("outbox_relay_late_keys_purged_total") == 2
+    [warning] = [r.getMessage() for r in caplog.records if "late rows' keys" in r.getMessage()]
+    assert warning.startswith("retention removed 2 late rows' keys whose rows were gone")
+
+
 def test_retention_drops_no_partition_before_the_relay_knows_whether_a_pooler_stands_between(
     monkeypatch,
 ):
@@ -167,6 +195,9 @@ def test_retention_drops_no_partition_before_the_relay_knows_whether_a_pooler_st
 
         async def partition_layout(self) -> PartitionLayout:
             return PartitionLayout("p", True, hourly(-3, 0, 1), T)
+
+        async def purge_late_keys(self) -> int:
+            return 0
 
     database = Database()
 

@@ -196,7 +196,7 @@ def test_configured_names_cannot_break_out_of_their_quotes():
     assert '"we""ird"."x""; drop table t; --"' in claim
     # The claim's guard names the late-row triggers, derived from the table's name,
     # as literals: inside single quotes, which the name has none of to end early.
-    in_quotes = claim.count('"x""; drop table t; --"') + claim.count("'zz_x\"; drop table t; --_")
+    in_quotes = claim.count('"x""; drop table t; --') + claim.count("'zz_x\"; drop table t; --_")
     assert claim.count("drop table t") == in_quotes
     scripts = " ".join(s.as_string() for s in install_script(names))
     assert "pg_notify('it''s; drop table t', '')" in scripts
