@@ -146,12 +146,18 @@ $$;
 -- A key outlives its row only where no row trigger fires (TRUNCATE, a partition
 -- dropped by hand): it only makes the claims' walks start earlier, and retention
 -- removes it (purge_late_keys in sql/queries.sql).
+--
+-- No unique key (a restore may bring a key back beside the one its row's insert
+-- writes), so its replica identity is the whole row: in a database with a
+-- publication FOR ALL TABLES, a delete from a table without one fails, and with it
+-- the mark that publishes a late row.
 do $$
 begin
   if to_regclass({late_keys_name}) is null then
     create table {late_keys} as
       select id, created_at, relay_seq from {table} with no data;
     create index {late_keys_idx} on {late_keys} (created_at, relay_seq);
+    alter table {late_keys} replica identity full;
   end if;
 end
 $$;

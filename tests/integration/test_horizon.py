@@ -590,9 +590,11 @@ def test_a_late_rows_key_is_kept_where_the_claims_look_from_its_insert_to_its_en
     # The claims look for late rows in their keys' table: every way a row becomes a
     # live late row writes its key, every way it stops being one removes it, in the
     # same transaction; a producer's role that may only insert still writes the key,
-    # and its temporary table of the same name does not stand in for the real one.
+    # and its temporary table of the same name does not stand in for the real one;
+    # and a publication of every table (for a CDC reader) does not stop a key's delete.
     producer = f"producer_{uuid.uuid4().hex[:12]}"
     database.execute(db_url, f"create role {producer}")
+    database.execute(db_url, "create publication every_table for all tables")
     try:
         database.execute(db_url, f"grant insert on outbox_events to {producer}")
         database.execute(db_url, f"grant usage on sequence outbox_events_relay_seq to {producer}")
@@ -644,6 +646,7 @@ def test_a_late_rows_key_is_kept_where_the_claims_look_from_its_insert_to_its_en
             assert conn.execute(query(NAMES, "purge_late_keys")).rowcount == 1
         assert late_keys(db_url) == []
     finally:
+        database.execute(db_url, "drop publication every_table")
         database.execute(db_url, f"drop owned by {producer}")
         database.execute(db_url, f"drop role {producer}")
 
