@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from prometheus_client import CollectorRegistry
 
 from relay import retention
@@ -177,7 +178,7 @@ def test_retention_counts_and_names_the_late_rows_keys_it_purges(caplog):
         with trio.move_on_after(0.05 + 0.02):
             await run_retention(Config(retention_interval=0.05), Database(), metrics)  # type: ignore[arg-type]
 
-    trio.run(two_rounds)
+    trio.run(two_rounds, clock=trio.testing.MockClock(autojump_threshold=0))
     assert metrics.registry.get_sample_value("outbox_relay_late_keys_purged_total") == 2
     [warning] = [r.getMessage() for r in caplog.records if "late rows' keys" in r.getMessage()]
     assert warning.startswith("retention removed 2 late rows' keys whose rows were gone")
