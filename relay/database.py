@@ -799,15 +799,20 @@ class PartitionLayout:
     managed: bool  # partitioned by range of created_at alone
     partitions: list[Partition]
     now: float  # the database's clock, epoch seconds
+    # Entries in the server's lock table: max_locks_per_transaction x (max_connections
+    # + max_prepared_transactions), as Postgres sizes it.
+    lock_slots: int
 
 
 def partition_layout(
     layout: tuple[Any, ...] | None, partitions: list[tuple[Any, ...]], now: tuple[Any, ...] | None
 ) -> PartitionLayout:
-    """The rows of sql/partitions.sql's layout and partitions, and the clock's."""
+    """The rows of sql/partitions.sql's layout and partitions, and the clock's (with
+    the size of the server's lock table)."""
     kind, managed = (layout[0], bool(layout[1])) if layout else (None, False)
     assert now is not None
-    return PartitionLayout(kind, managed, [Partition(*r) for r in partitions], now[0])
+    clock, lock_slots = now
+    return PartitionLayout(kind, managed, [Partition(*r) for r in partitions], clock, lock_slots)
 
 
 def partition_creation(names: Names, partition: NewPartition) -> list[sql.Composed]:
@@ -828,14 +833,22 @@ def first_partitions(names: Names, period: float, ahead: float, now: float) -> l
 
 def _layout_statements(names: Names) -> tuple[sql.Composed, sql.Composed, str]:
     """The table's kind; its partitions, after the settings that read their bounds
-    right (in the same transaction); the database's clock."""
+    right (in the same transaction); the database's clock and lock table's size."""
     return (
         partition_statement(names, "layout"),
         # On a line of its own: a block may end in a comment.
         partition_statement(names, "readable_bounds") + sql.SQL("\n;\n")
         + partition_statement(names, "partitions"),
-        "select extract(epoch from statement_timestamp())::float8",
+        LAYOUT_CLOCK,
     )  # fmt: skip
+
+
+LAYOUT_CLOCK = (
+    "select extract(epoch from statement_timestamp())::float8, "
+    "current_setting('max_locks_per_transaction')::int "
+    "* (current_setting('max_connections')::int "
+    "+ current_setting('max_prepared_transactions')::int)"
+)
 
 
 async def read_partition_layout(

@@ -154,6 +154,7 @@ class Metrics:
     partitions_created: Counter
     partitions_ahead: Gauge
     partitions_ahead_target: Gauge
+    partitions_lock_share: Gauge
     horizon_age: Gauge
     horizon_xids: Gauge
     table_dead_tuples: Gauge

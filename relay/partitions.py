@@ -35,6 +35,17 @@ MAX_IDENTIFIER_BYTES = 63
 # Past this many partitions that every claim opens, the relay says, once, what they
 # cost it (docs/partitions.md, *What partitions cost*).
 PARTITIONS_WARNED = 40
+# The most partitions the relay keeps ahead of now, whatever --partitions-ahead asks:
+# every claim locks every partition, in a lock table the whole server shares, and
+# 3 days of one-minute partitions filled it within a minute (docs/partitions.md,
+# *The server's lock table*). Hourly partitions keep their 3 days.
+MAX_PARTITIONS_AHEAD = 100
+# Lock table entries a claim planned afresh (after each partition created or dropped)
+# holds for each partition of the table, at most: tests/integration/test_partitions.py
+# measures it.
+LOCKS_A_PARTITION = 14
+# Past this share of the server's lock table, the relay says what its claims take.
+LOCK_SHARE_WARNED = 0.25
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,7 @@ def partitions_to_create(
     period = period or period_of(partitions)
     if period is None or period <= 0:
         return []
+    ahead = capped_ahead(ahead, period)
     live = _live(partitions)
     current = math.floor(now / period) * period
     start = current
@@ -125,6 +137,18 @@ def partitions_to_create(
         created.append(NewPartition(partition_name(base, start), start, start + period))
         start += period
     return created
+
+
+def capped_ahead(ahead: float, period: float) -> float:
+    """How far ahead the relay keeps partitions of ``period`` when asked for
+    ``ahead``: at most :data:`MAX_PARTITIONS_AHEAD` of them."""
+    return min(ahead, MAX_PARTITIONS_AHEAD * period)
+
+
+def lock_share(partitions: int, lock_slots: int) -> float:
+    """The share of the server's lock table (``lock_slots`` entries) one relay's claim
+    planned afresh takes on a table of ``partitions`` partitions; 0 when unknown."""
+    return partitions * LOCKS_A_PARTITION / lock_slots if lock_slots > 0 else 0.0
 
 
 def reach(partitions: Sequence[Partition], now: float) -> float:
@@ -161,25 +185,16 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
     """Keep the table's partitions reaching ``config.partitions_ahead`` past now, on
     a range-partitioned table; on a plain one, look again now and then (a table
     migrated while the relay runs)."""
-    warned = False
+    warned: set[str] = set()
     while True:
         interval = config.retention_interval
         try:
             layout = await database.partition_layout()
-            # Both gauges stay 0 on a plain table, where the alert on them never fires.
-            metrics.partitions_ahead_target.set(config.partitions_ahead if layout.managed else 0)
+            # The gauges stay 0 on a plain table, where the alerts on them never fire.
+            metrics.partitions_ahead_target.set(0)
+            metrics.partitions_lock_share.set(0)
             if layout.managed:
-                opened = opened_by_claims(layout.partitions, layout.now)
-                if opened > PARTITIONS_WARNED and not warned:
-                    warned = True
-                    log.warning(
-                        "%s has %d partitions up to a minute past now: every claim opens "
-                        "each of them to look for late and dead rows, which costs the claim "
-                        "about 15us a partition (docs/partitions.md); a longer period, or a "
-                        "shorter --retention, makes fewer",
-                        config.table_display,
-                        opened,
-                    )
+                judge_layout(config, metrics, layout, warned)
                 interval = await _create_ahead(config, database, metrics, layout)
         except SetupError as exc:
             metrics.database_errors.labels(task="partitions").inc()
@@ -196,6 +211,51 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
             metrics.database_errors.labels(task="partitions").inc()
             log.error("cannot create partitions: %s", exc)
         await trio.sleep(interval)
+
+
+def judge_layout(
+    config: Config, metrics: Metrics, layout: PartitionLayout, warned: set[str]
+) -> None:
+    """Export how far ahead the partitions are kept and what share of the server's
+    lock table a claim takes; say once each what costs too much, and why."""
+    period = period_of(layout.partitions)
+    target = capped_ahead(config.partitions_ahead, period) if period else config.partitions_ahead
+    metrics.partitions_ahead_target.set(target)
+    if target < config.partitions_ahead and "ahead" not in warned:
+        warned.add("ahead")
+        log.warning(
+            "%s: --partitions-ahead %gs would be %d partitions of %gs; the relay keeps "
+            "%d (%gs ahead): every claim locks every partition, in a lock table the whole "
+            "server shares (docs/partitions.md); a longer period keeps more time ahead",
+            config.table_display, config.partitions_ahead,
+            math.ceil(config.partitions_ahead / period) if period else 0, period or 0,
+            MAX_PARTITIONS_AHEAD, target,
+        )  # fmt: skip
+    share = lock_share(len(layout.partitions), layout.lock_slots)
+    metrics.partitions_lock_share.set(share)
+    if share > LOCK_SHARE_WARNED and "locks" not in warned:
+        warned.add("locks")
+        log.error(
+            "%s has %d partitions: a claim planned afresh (after each partition created or "
+            "dropped) holds about %d of the server's %d lock table entries "
+            "(max_locks_per_transaction x (max_connections + max_prepared_transactions)); "
+            "when they run out, every statement on the server fails with 'out of shared "
+            "memory', producers' inserts included: raise max_locks_per_transaction, or "
+            "choose a longer period or a shorter --retention (docs/partitions.md)",
+            config.table_display, len(layout.partitions),
+            len(layout.partitions) * LOCKS_A_PARTITION, layout.lock_slots,
+        )  # fmt: skip
+    opened = opened_by_claims(layout.partitions, layout.now)
+    if opened > PARTITIONS_WARNED and "opened" not in warned:
+        warned.add("opened")
+        log.warning(
+            "%s has %d partitions up to a minute past now: every claim opens "
+            "each of them to look for late and dead rows, which costs the claim "
+            "about 15us a partition (docs/partitions.md); a longer period, or a "
+            "shorter --retention, makes fewer",
+            config.table_display,
+            opened,
+        )
 
 
 async def _create_ahead(

@@ -8,7 +8,8 @@ of one row, each ``--count`` times, on a plain table and on one partitioned by t
 minute with the same rows (``--rows`` spent rows a past partition, ``--live`` rows
 to publish now), in a scratch database on ``--database-url`` (default: the shared
 server's). Prints the wall time per statement, client included, and the ratio to the
-plain table's.
+plain table's; and the entries the partitioned claim holds in the server's lock table,
+planned afresh (as after each partition created or dropped) and on its plan.
 
     python -m relay_tools.bench.partition_cost --partitions 4,13,33,63 [--live 500]
 """
@@ -88,10 +89,11 @@ def _install(url: str, names: Names, partitions: int, ahead: int) -> None:
 
 def _time_statements(
     url: str, names: Names, count: int, partitioned: bool, floor: bool = True
-) -> tuple[float, float]:
+) -> tuple[float, float, tuple[int, int]]:
     """Seconds per claim and per one-row mark (as the relay claims and marks that
     table: a partitioned table's claim with its walks' reach and, with ``floor``, its
-    floor, not looking beyond either)."""
+    floor, not looking beyond either), and the lock table entries the claim holds
+    planned afresh and on its plan."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(time.time() - 5))
     start = StartKey(
         stamp,
@@ -111,14 +113,20 @@ def _time_statements(
         generic = GENERIC_PLAN if partitioned else None
         claim = claim_execution(statement, 500, 20, start, plan_cache_mode=generic)
 
-        def one_claim() -> None:
+        def one_claim() -> int:
+            """The claim's lock table entries (beyond a session's fast-path slots)."""
             cursor = conn.execute(claim)
             cursor.nextset()  # past the BEGIN's result
             if partitioned:
                 cursor.nextset()  # past the plan_cache_mode's
             cursor.fetchall()
+            [(held,)] = conn.execute(
+                "select count(*) from pg_locks where pid = pg_backend_pid() and not fastpath"
+            ).fetchall()
             conn.execute("rollback")
+            return int(held)
 
+        locks = (one_claim(), one_claim())  # planned afresh, then on its plan
         for _ in range(10):  # warmed: the generic plan made, the caches filled
             one_claim()
         began = time.perf_counter()
@@ -155,7 +163,7 @@ def _time_statements(
             conn.execute(mark, params)
             conn.execute("rollback")
         mark_seconds = (time.perf_counter() - began) / count
-    return claim_seconds, mark_seconds
+    return claim_seconds, mark_seconds, locks
 
 
 def measure(
@@ -168,7 +176,8 @@ def measure(
     try:
         print(f"{'partitions':>10}  {'claim plain':>11}  {'partitioned':>11}  {'ratio':>5}  "
               f"{'no floor':>11}  {'ratio':>5}  "
-              f"{'mark plain':>10}  {'partitioned':>11}  {'ratio':>5}")  # fmt: skip
+              f"{'mark plain':>10}  {'partitioned':>11}  {'ratio':>5}  "
+              f"{'locks planned':>13}  {'on its plan':>11}")  # fmt: skip
         for partitions in counts:
             figures = []
             for schema, n in (("plain", 0), ("partitioned", partitions)):
@@ -180,13 +189,14 @@ def measure(
                 _install(url, names, n, ahead)
                 _fill(url, names, max(partitions - ahead - 1, 1), rows, live)
                 figures.append(_time_statements(url, names, count, n > 0))
-            floorless, _ = _time_statements(url, names, count, True, floor=False)
-            (claim_plain, mark_plain), (claim_parts, mark_parts) = figures
+            floorless, _, _ = _time_statements(url, names, count, True, floor=False)
+            (claim_plain, mark_plain, _), (claim_parts, mark_parts, locks) = figures
             print(
                 f"{partitions:>10}  {claim_plain * 1e6:>8.0f} us  {claim_parts * 1e6:>8.0f} us  "
                 f"{claim_parts / claim_plain:>5.2f}  {floorless * 1e6:>8.0f} us  "
                 f"{floorless / claim_plain:>5.2f}  {mark_plain * 1e6:>7.0f} us  "
-                f"{mark_parts * 1e6:>8.0f} us  {mark_parts / mark_plain:>5.2f}"
+                f"{mark_parts * 1e6:>8.0f} us  {mark_parts / mark_plain:>5.2f}  "
+                f"{locks[0]:>13,}  {locks[1]:>11,}"
             )
     finally:
         with psycopg.connect(server_url, autocommit=True) as conn:

@@ -31,11 +31,18 @@ from relay.claimstart import (
 from relay.config import Config
 from relay.database import (
     GENERIC_PLAN,
+    LAYOUT_CLOCK,
     PARTITIONED_CLAIM_STATEMENT,
     partition_creation,
     partition_layout,
 )
-from relay.partitions import NewPartition, partition_name, reach
+from relay.partitions import (
+    LOCKS_A_PARTITION,
+    MAX_PARTITIONS_AHEAD,
+    NewPartition,
+    partition_name,
+    reach,
+)
 from relay.sqlfiles import (
     Names,
     claim_execution,
@@ -84,7 +91,7 @@ def layout(url: str):
         kind = conn.execute(partition_statement(NAMES, "layout")).fetchone()
         conn.execute(partition_statement(NAMES, "readable_bounds"))
         rows = conn.execute(partition_statement(NAMES, "partitions")).fetchall()
-        now = conn.execute("select extract(epoch from statement_timestamp())::float8").fetchone()
+        now = conn.execute(LAYOUT_CLOCK).fetchone()
     return partition_layout(kind, rows, now)
 
 
@@ -206,6 +213,84 @@ def test_the_relay_publishes_a_partitioned_table_in_order_and_keeps_partitions_a
     )
     assert relay.metric("outbox_relay_partitions_created_total") >= 2
     assert relay.metric("outbox_relay_partitions_ahead_target_seconds") == 6 * MINUTE
+
+
+@pytest.fixture
+def minutes_url() -> Iterator[str]:
+    """A fresh database whose outbox table is partitioned by the minute, installed
+    with the default --partitions-ahead."""
+    url = database.create_database(SHARED_PG_URL)
+    yield url
+    database.drop_database(SHARED_PG_URL, url)
+
+
+def test_the_relay_keeps_at_most_a_hundred_partitions_ahead_and_exports_what_claims_lock(
+    minutes_url, stream, relays
+):
+    # Three days of one-minute partitions, the default --partitions-ahead, filled the
+    # server's lock table within a minute: every claim locks every partition, and
+    # every statement on the server failed with "out of shared memory", producers'
+    # inserts included.
+    db_url = minutes_url
+    run_cli(db_url, "install", "--partitions", "1min")
+    assert len(layout(db_url).partitions) <= MAX_PARTITIONS_AHEAD + 1
+    relay = start(relays, db_url)
+    wait_until(
+        lambda: (
+            relay.metric("outbox_relay_partitions_ahead_seconds")
+            >= (MAX_PARTITIONS_AHEAD - 1) * MINUTE
+        ),
+        message="partitions created as far ahead as the cap",
+    )
+    assert relay.metric("outbox_relay_partitions_ahead_target_seconds") == (
+        MAX_PARTITIONS_AHEAD * MINUTE
+    )
+    [warning] = [r["message"] for r in relay.log_records() if "--partitions-ahead" in r["message"]]
+    assert "would be 4320 partitions of 60s; the relay keeps 100 (6000s ahead)" in warning
+    found = layout(db_url)
+    assert len(found.partitions) <= MAX_PARTITIONS_AHEAD + 1
+    wait_until(
+        lambda: (
+            relay.metric("outbox_relay_partitions_lock_share")
+            == len(layout(db_url).partitions) * LOCKS_A_PARTITION / found.lock_slots
+        ),
+        message="the lock table's share exported",
+    )
+    # The relay publishes, and producers insert, beside it.
+    event = Event(stream.subject("order.created"), "order-1", {"n": 1})
+    database.insert(db_url, [event])
+    wait_until(lambda: database.unpublished_count(db_url) == 0, message="the row published")
+
+
+def test_a_claim_planned_afresh_locks_the_entries_a_partition_the_relay_counts(partitioned_url):
+    # outbox_relay_partitions_lock_share counts LOCKS_A_PARTITION lock table entries a
+    # partition for a claim planned afresh, as after every partition created or dropped.
+    def locks_of_a_claim_planned_afresh() -> int:
+        with psycopg.connect(partitioned_url, autocommit=True, prepare_threshold=None) as conn:
+            conn.execute(claim_preparation(NAMES, PARTITIONED_CLAIM_STATEMENT, partitioned=True))
+            cursor = conn.execute(
+                claim_execution(
+                    PARTITIONED_CLAIM_STATEMENT,
+                    500,
+                    20,
+                    StartKey("-infinity", MIN_SEQ, "-infinity"),
+                    plan_cache_mode=GENERIC_PLAN,
+                )
+            )
+            while cursor.nextset():
+                pass
+            [(count,)] = conn.execute(
+                "select count(*) from pg_locks where pid = pg_backend_pid() and not fastpath"
+            ).fetchall()
+            return int(count)
+
+    before = (len(layout(partitioned_url).partitions), locks_of_a_claim_planned_afresh())
+    for minutes_ago in range(1, 41):
+        add_past_partition(partitioned_url, minutes_ago)
+    after = (len(layout(partitioned_url).partitions), locks_of_a_claim_planned_afresh())
+    per_partition = (after[1] - before[1]) / (after[0] - before[0])
+    assert LOCKS_A_PARTITION - 1 < per_partition <= LOCKS_A_PARTITION
+    assert after[1] <= after[0] * LOCKS_A_PARTITION
 
 
 def test_retention_drops_spent_partitions_and_keeps_one_that_holds_a_row(

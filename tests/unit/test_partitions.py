@@ -15,8 +15,11 @@ from relay.config import Config
 from relay.database import PartitionLayout
 from relay.metrics import Metrics
 from relay.partitions import (
+    MAX_PARTITIONS_AHEAD,
     Partition,
+    capped_ahead,
     expired,
+    judge_layout,
     opened_by_claims,
     partition_name,
     partitions_to_create,
@@ -87,6 +90,51 @@ def test_after_a_gap_creation_starts_again_at_now_not_in_the_past():
 def test_one_round_creates_at_most_its_limit():
     created = partitions_to_create([], T, 1000 * MINUTE, "o", period=MINUTE, limit=5)
     assert len(created) == 5
+
+
+def test_partitions_are_kept_at_most_a_hundred_ahead_whatever_the_period():
+    # Every claim locks every partition, in a lock table the whole server shares.
+    assert MAX_PARTITIONS_AHEAD == 100
+    assert capped_ahead(3 * 86400.0, HOUR) == 3 * 86400.0  # hourly: 72, all kept
+    assert capped_ahead(3 * 86400.0, MINUTE) == 100 * MINUTE
+    made: list[Partition] = []
+    while created := partitions_to_create(made, T, 3 * 86400.0, "o", period=MINUTE):
+        made += [Partition(p.name, p.start, p.end) for p in created]
+    assert len(made) == 100
+    assert reach(made, T) == 100 * MINUTE
+
+
+def test_the_relay_exports_and_names_what_its_claims_take_of_the_servers_lock_table(caplog):
+    metrics = Metrics(CollectorRegistry())
+    warned: set[str] = set()
+    config = Config(partitions_ahead=3 * 86400.0)
+    few = PartitionLayout("p", True, hourly(*range(-24, 73)), T, 6400)
+    judge_layout(config, metrics, few, warned)
+    assert metrics.registry.get_sample_value("outbox_relay_partitions_lock_share") == (
+        97 * 14 / 6400
+    )
+    assert metrics.registry.get_sample_value("outbox_relay_partitions_ahead_target_seconds") == (
+        3 * 86400.0
+    )
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    # A week of hourly partitions behind, three days ahead, a small lock table.
+    many = PartitionLayout("p", True, hourly(*range(-168, 73)), T, 6400)
+    for _ in range(2):
+        judge_layout(config, metrics, many, warned)
+    [error] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert "has 241 partitions" in error
+    assert "holds about 3374 of the server's 6400 lock table entries" in error
+    assert "'out of shared memory'" in error
+    assert metrics.registry.get_sample_value("outbox_relay_partitions_lock_share") == (
+        241 * 14 / 6400
+    )
+    minutes = PartitionLayout("p", True, [Partition("m", T, T + MINUTE)], T, 6400)
+    judge_layout(config, metrics, minutes, warned)
+    assert metrics.registry.get_sample_value("outbox_relay_partitions_ahead_target_seconds") == (
+        100 * MINUTE
+    )
+    [cap] = [r.getMessage() for r in caplog.records if "--partitions-ahead" in r.getMessage()]
+    assert "would be 4320 partitions of 60s; the relay keeps 100 (6000s ahead)" in cap
 
 
 def test_the_reach_follows_the_partitions_without_a_gap_from_now():
@@ -167,7 +215,7 @@ def test_retention_counts_and_names_the_late_rows_keys_it_purges(caplog):
         pooled: bool | None = None  # no partitions retired: only the purge runs
 
         async def partition_layout(self) -> PartitionLayout:
-            return PartitionLayout("p", True, hourly(-3, 0, 1), T)
+            return PartitionLayout("p", True, hourly(-3, 0, 1), T, 6400)
 
         async def purge_late_keys(self) -> int:
             return purges.pop(0) if purges else 0
@@ -195,7 +243,7 @@ def test_retention_drops_no_partition_before_the_relay_knows_whether_a_pooler_st
         pooled: bool | None = None
 
         async def partition_layout(self) -> PartitionLayout:
-            return PartitionLayout("p", True, hourly(-3, 0, 1), T)
+            return PartitionLayout("p", True, hourly(-3, 0, 1), T, 6400)
 
         async def purge_late_keys(self) -> int:
             return 0
