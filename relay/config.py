@@ -442,7 +442,8 @@ RUN_OPTIONS: tuple[Option, ...] = (
     _duration(
         "partitions_ahead",
         "on a table partitioned by created_at (`install --partitions`): how far past now "
-        "the relay keeps partitions created",
+        "the relay keeps partitions created (at most 100 partitions: every claim locks "
+        "each one)",
     ),
     Option(
         "audit_interval",
