@@ -190,12 +190,12 @@ async def run_partition_creation(config: Config, database: Database, metrics: Me
         interval = config.retention_interval
         try:
             layout = await database.partition_layout()
-            # The gauges stay 0 on a plain table, where the alerts on them never fire.
-            metrics.partitions_ahead_target.set(0)
-            metrics.partitions_lock_share.set(0)
             if layout.managed:
                 judge_layout(config, metrics, layout, warned)
                 interval = await _create_ahead(config, database, metrics, layout)
+            else:  # 0 on a plain table, where the alerts on them never fire
+                metrics.partitions_ahead_target.set(0)
+                metrics.partitions_lock_share.set(0)
         except SetupError as exc:
             metrics.database_errors.labels(task="partitions").inc()
             log.error(
