@@ -28,7 +28,7 @@ from relay.database import POOLED_CONNECTION, Transaction
 from relay.marks import FailureMark, Marks
 from relay.model import OutboxRow
 from relay.sqlfiles import Names, claim_parameters, query
-from relay.writers import WriterTracker
+from relay.writers import UNKNOWN, WriterTracker
 from tests.support import database
 from tests.support.database import LAYOUTS, Event, relay_session
 from tests.support.relayproc import wait_until
@@ -529,6 +529,17 @@ async def published_then_passed(url: str, claims: Claims) -> str:
     return row
 
 
+async def a_known_bound(url: str, claims: Claims) -> StartKey:
+    """The start key once it carries the snapshots' bound, claiming a row of another
+    subject at a time until it does: a claim's bound is known once an earlier claim's
+    transaction is older than every one still running on the server, and any
+    database's transaction (a test's teardown, autovacuum's) can hold that back."""
+    while (key := claims.start.key()).bound_at == UNKNOWN:
+        insert(url, "other")
+        assert len(await claims.drain()) == 1
+    return key
+
+
 def test_a_row_put_back_by_hand_is_claimed_before_the_later_rows_of_its_subject(db_url):
     # A published row set unpublished again by hand (not with `requeue`, as an older
     # relay's requeue did): the revival trigger flags it late, and the next claim
@@ -900,7 +911,8 @@ def test_a_database_whose_datestyle_is_not_iso_keeps_exact_start_keys(db_url, wh
 
         async def test(claims: Claims) -> None:
             await published_then_passed(db_url, claims)
-            key = claims.start.key()
+            async with asyncio.timeout(30):
+                key = await a_known_bound(db_url, claims)
             assert key.bound_at.endswith(" AD"), key  # UTC, ISO order, the era
             [early] = insert(db_url, "e1", created_at="2026-01-01 00:00:00+00")
             after = insert(db_url, "e1")
